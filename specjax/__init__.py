@@ -1,0 +1,25 @@
+"""specjax: lossless speculative decoding for Qwen3-family models in JAX.
+
+Public names are imported lazily so `import specjax` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "load": "model", "save": "model", "Model": "model",
+    "generate": "loop", "GenerateResult": "loop", "Stats": "loop",
+    "Sampling": "sampling",
+    "NgramProposer": "proposers", "DraftProposer": "proposers",
+    "Qwen3Config": "config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'specjax' has no attribute {name!r}")

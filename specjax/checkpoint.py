@@ -1,0 +1,227 @@
+"""Safetensors checkpoints in Hugging Face layout <-> specjax parameter trees.
+
+Runtime layout (one documented mapping, applied at load and reversed at save):
+
+    HF name                                   runtime key
+    model.embed_tokens.weight       [V, D]    same
+    model.norm.weight               [D]       same
+    lm_head.weight                  [V, D]    same (absent when embeddings are tied)
+    model.layers.{i}.<name>                   params["model.layers"][<name>] stacked on a
+                                              leading layer axis [L, ...] for lax.scan
+    self_attn.{q,k,v}_proj.weight             self_attn.qkv_proj.weight [L, (H + 2K) * hd, D]
+    self_attn.{q,k,v}_proj.bias               self_attn.qkv_proj.bias   [L, (H + 2K) * hd]
+    mlp.{gate,up}_proj.weight                 mlp.gate_up_proj.weight   [L, 2F, D]
+
+Fusing q/k/v and gate/up makes one matmul of each per layer per step. Weights keep the
+HF [out, in] orientation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import Qwen3Config
+
+Params = dict[str, Any]
+LAYERS = "model.layers"
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder or tensor that does not match what the config says."""
+
+
+def hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a HF Qwen3 checkpoint of this config holds, with its shape."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    per_layer = {
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (q, d),
+        "self_attn.k_proj.weight": (kv, d),
+        "self_attn.v_proj.weight": (kv, d),
+        "self_attn.o_proj.weight": (d, q),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+        "mlp.gate_proj.weight": (cfg.intermediate_size, d),
+        "mlp.up_proj.weight": (cfg.intermediate_size, d),
+        "mlp.down_proj.weight": (d, cfg.intermediate_size),
+    }
+    if cfg.attention_bias:
+        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                          "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (d,)})
+    for i in range(cfg.num_hidden_layers):
+        for name, shape in per_layer.items():
+            shapes[f"{LAYERS}.{i}.{name}"] = shape
+    return shapes
+
+
+_FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def from_hf(tensors: dict[str, Any], cfg: Qwen3Config) -> Params:
+    """HF flat name -> array dict to the runtime tree (stack layers, fuse projections)."""
+    layers: dict[str, list[Any]] = {}
+    params: Params = {}
+    for name, value in tensors.items():
+        if name.startswith(LAYERS + "."):
+            i, sub = name[len(LAYERS) + 1:].split(".", 1)
+            layers.setdefault(sub, [None] * cfg.num_hidden_layers)[int(i)] = value
+        else:
+            params[name] = value
+    stacked = {sub: jnp.stack(vals) for sub, vals in layers.items()}
+    for fused, parts in _FUSED.items():
+        if parts[0] in stacked:
+            stacked[fused] = jnp.concatenate([stacked.pop(p) for p in parts], axis=1)
+    params[LAYERS] = stacked
+    return params
+
+
+def to_hf(params: Params, cfg: Qwen3Config) -> dict[str, Any]:
+    """Runtime tree back to HF flat names (inverse of `from_hf`)."""
+    hd = cfg.head_dim
+    splits = {
+        "self_attn.qkv_proj": [cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd,
+                               cfg.num_key_value_heads * hd],
+        "mlp.gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
+    }
+    out = {k: v for k, v in params.items() if k != LAYERS}
+    for sub, value in params[LAYERS].items():
+        module, kind = sub.rsplit(".", 1)
+        if sub in _FUSED:
+            pieces = np.split(np.asarray(value), np.cumsum(splits[module])[:-1], axis=1)
+            items = zip(_FUSED[sub], pieces)
+        else:
+            items = [(sub, np.asarray(value))]
+        for name, arr in items:
+            for i in range(cfg.num_hidden_layers):
+                out[f"{LAYERS}.{i}.{name}"] = arr[i]
+    return out
+
+
+def init_params(cfg: Qwen3Config, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> Params:
+    """Random weights (normal(0, std) matrices, unit norms, zero biases) in runtime layout."""
+    shapes = hf_shapes(cfg)
+    keys = jax.random.split(key, len(shapes))
+    tensors = {}
+    for k, (name, shape) in zip(keys, sorted(shapes.items())):
+        if name.endswith("norm.weight"):
+            tensors[name] = jnp.ones(shape, dtype)
+        elif name.endswith(".bias"):
+            tensors[name] = jnp.zeros(shape, dtype)
+        else:
+            tensors[name] = (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+    return from_hf(tensors, cfg)
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> file, from model.safetensors or a sharded index."""
+    index = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+        files = {name: folder / f for name, f in weight_map.items()}
+        for f in set(files.values()):
+            if not f.is_file():
+                raise CheckpointError(f"{index}: lists shard {f.name}, which is missing")
+        return files
+    if single.is_file():
+        from safetensors import safe_open
+        with safe_open(single, framework="flax") as f:
+            return {name: single for name in f.keys()}
+    raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]], dtype: Any,
+                 optional: Iterable[str] = ()) -> dict[str, jax.Array]:
+    """Read and check the named tensors (shape, presence) from a safetensors folder."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    files = _weight_files(folder)
+    optional = set(optional)
+    names = [n for n in files if not n.endswith(_IGNORED_SUFFIXES) and n not in optional]
+    missing = sorted(set(expected) - set(files))
+    unexpected = sorted(set(names) - set(expected))
+    if missing:
+        raise CheckpointError(f"{folder}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if unexpected:
+        raise CheckpointError(f"{folder}: unexpected tensor(s) {unexpected[:5]} for this config")
+    out = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    for path, file_names in by_file.items():
+        with safe_open(path, framework="flax") as f:
+            for name in file_names:
+                t = f.get_tensor(name)
+                if tuple(t.shape) != tuple(expected[name]):
+                    raise CheckpointError(
+                        f"{path}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(expected[name])}")
+                if not jnp.issubdtype(t.dtype, jnp.floating):
+                    raise CheckpointError(f"{path}: tensor {name} has non-float dtype {t.dtype}")
+                out[name] = t.astype(dtype)
+    return out
+
+
+def load_params(folder: str | Path, cfg: Qwen3Config, dtype: Any) -> Params:
+    """Load a HF Qwen3 folder's weights into the runtime tree in `dtype`."""
+    optional = ["lm_head.weight"] if cfg.tie_word_embeddings else []
+    return from_hf(read_tensors(folder, hf_shapes(cfg), dtype, optional), cfg)
+
+
+def write_tensors(folder: str | Path, tensors: dict[str, Any], dtype: str = "bfloat16",
+                  max_shard_bytes: int | None = None) -> None:
+    """Write a flat name -> array dict as model.safetensors, or shards plus an index."""
+    from safetensors.flax import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = {k: jnp.asarray(v).astype(dtype) for k, v in sorted(tensors.items())}
+    if max_shard_bytes is None:
+        save_file(arrays, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, arr in arrays.items():
+        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    total = sum(a.nbytes for a in arrays.values())
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def save(folder: str | Path, params: Params, cfg: Qwen3Config, dtype: str = "bfloat16",
+         max_shard_bytes: int | None = None) -> None:
+    """Write config.json and weights in HF layout (loads in transformers and specjax)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    hf_cfg = cfg.to_hf()
+    hf_cfg["torch_dtype"] = dtype
+    (folder / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    write_tensors(folder, to_hf(params, cfg), dtype, max_shard_bytes)

@@ -1,0 +1,132 @@
+"""Qwen3 model configuration read from (and written to) a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json that specjax cannot run exactly."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Static architecture of a Qwen3 decoder; hashable so it can key compiled steps."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    max_position_embeddings: int = 40960
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"config field {name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> "Qwen3Config":
+        """Build from a parsed HF config dict; `source` names the file in errors."""
+        if raw.get("model_type") != "qwen3":
+            raise ConfigError(f"{source}: model_type must be 'qwen3', got {raw.get('model_type')!r}")
+        if raw.get("use_sliding_window"):
+            raise ConfigError(f"{source}: use_sliding_window=true is not supported")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported (only 'silu')")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported (only 'default')")
+        theta = rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in raw]
+        if missing:
+            raise ConfigError(f"{source}: missing required field(s) {missing}")
+        heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Qwen3Config":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_hf(raw, str(path))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF `config.json` dict (transformers 4.x and 5.x both read it)."""
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_scaling": None,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "max_position_embeddings": self.max_position_embeddings,
+            "use_sliding_window": False,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "torch_dtype": "bfloat16",
+        }

@@ -1,0 +1,67 @@
+"""Functional paged KV state.
+
+Shapes (letters used across specjax):
+    L layers, B batch rows, T new tokens, S = pages_per_seq * page_size slots per row,
+    P pages in the pool, Z page_size, K kv heads, G query heads per kv head, H = K * G,
+    E head_dim, D hidden size, V vocabulary.
+
+A rejection is a length change, not a copy: every step writes its tokens at absolute
+positions and attention masks keys by position, so later steps overwrite rejected slots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from .config import Qwen3Config
+
+
+@struct.dataclass
+class KVCache:
+    k: jax.Array           # [L, K, P, Z, E] key pool
+    v: jax.Array           # [L, K, P, Z, E] value pool
+    page_table: jax.Array  # [B, S // Z] int32: pool page of each logical page of a row
+    lengths: jax.Array     # [B] int32: committed tokens held per row
+    page_size: int = struct.field(pytree_node=False, default=16)
+
+    @property
+    def capacity(self) -> int:
+        """Token slots per row (static)."""
+        return self.page_table.shape[1] * self.page_size
+
+
+def init(cfg: Qwen3Config, batch: int, capacity: int, dtype=jnp.float32, page_size: int = 16) -> KVCache:
+    """An empty cache; each row owns `capacity / page_size` pages, laid out row after row."""
+    if capacity % page_size:
+        raise ValueError(f"capacity {capacity} must be a multiple of page_size {page_size}")
+    pages = capacity // page_size
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, batch * pages, page_size, cfg.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        page_table=jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages),
+        lengths=jnp.zeros((batch,), jnp.int32),
+        page_size=page_size,
+    )
+
+
+def write(pool: jax.Array, layer: jax.Array, new: jax.Array, page_table: jax.Array,
+          positions: jax.Array, page_size: int) -> jax.Array:
+    """Store new [B, T, K, E] entries of one layer at absolute `positions` [B, T]."""
+    rows = jnp.arange(page_table.shape[0])[:, None]
+    page = page_table[rows, positions // page_size]  # [B, T]
+    return pool.at[layer, :, page, positions % page_size, :].set(new.astype(pool.dtype), mode="drop")
+
+
+def read(pool: jax.Array, layer: jax.Array, page_table: jax.Array) -> jax.Array:
+    """One layer's slots of every row, as [B, K, S, E] (slot index = absolute position)."""
+    pages = pool[layer][:, page_table]  # [K, B, S/Z, Z, E]
+    k, b, n, z, e = pages.shape
+    return pages.reshape(k, b, n * z, e).transpose(1, 0, 2, 3)
+
+
+def truncate(kv: KVCache, lengths: jax.Array) -> KVCache:
+    """Forget everything at or after `lengths` [B] (a rollback; no data moves)."""
+    return kv.replace(lengths=jnp.minimum(kv.lengths, lengths.astype(jnp.int32)))

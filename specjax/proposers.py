@@ -1,0 +1,156 @@
+"""Proposers: cheap guesses of the next k tokens behind one small interface.
+
+A proposer is a reusable description (k, options); `start` binds it to one generation and
+returns a session that `generate` drives:
+
+    session.propose(history, limit) -> Proposal   drafts for the tokens after history[-1]
+    session.observe(accepted, history)             what the target kept (history updated)
+
+`history` is a NumPy int32 array of every committed token (prompt and output); its last
+entry is the one the next verify step feeds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import kv as kvlib
+from . import steps
+from .model import Model
+from .sampling import Sampling
+
+
+class ProposerError(ValueError):
+    """A proposer that cannot serve this target or these settings."""
+
+
+@dataclasses.dataclass
+class Proposal:
+    drafts: Any                # [k] int32 (NumPy or device array); first n real
+    n: int                     # real drafts (0 means: plain decode step)
+    logq: Any = None           # [k, V] draft log-probs when drafts were sampled
+
+
+class Session(Protocol):
+    def propose(self, history: np.ndarray, limit: int) -> Proposal: ...
+    def observe(self, accepted: int, history: np.ndarray) -> None: ...
+
+
+def _check_k(k: int, largest: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= largest:
+        raise ProposerError(f"k must be an integer in [1, {largest}], got {k!r}")
+
+
+def ngram_lookup(history: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> np.ndarray:
+    """Prompt lookup: the tokens after the latest earlier occurrence of the last n tokens.
+
+    Tries n = max_ngram down to min_ngram; returns up to k tokens (empty if no match).
+    """
+    size = len(history)
+    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
+        tail = history[size - n:]
+        # windows starting at i cover history[i : i + n]; only i + n < size leaves a continuation
+        windows = np.lib.stride_tricks.sliding_window_view(history[:size - 1], n)
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if hits.size:
+            start = hits[-1] + n
+            return history[start:start + k]
+    return history[:0]
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramProposer:
+    """Prompt-lookup drafts (n-gram match against the committed context); free to run."""
+
+    k: int = 4
+    max_ngram: int = 3
+    min_ngram: int = 1
+
+    def __post_init__(self) -> None:
+        _check_k(self.k, steps.BUCKETS[-1] - 1)
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ProposerError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+
+    def start(self, target: Model, prompt: np.ndarray, capacity: int, seed: int, sampling: Sampling) -> Session:
+        return _NgramSession(self)
+
+
+@dataclasses.dataclass
+class _NgramSession:
+    spec: NgramProposer
+
+    def propose(self, history: np.ndarray, limit: int) -> Proposal:
+        s = self.spec
+        found = ngram_lookup(history, min(s.k, limit), s.max_ngram, s.min_ngram)
+        return Proposal(found.astype(np.int32), len(found))
+
+    def observe(self, accepted: int, history: np.ndarray) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftProposer:
+    """A smaller Qwen3 with the target's vocabulary proposes k tokens, chained on the device.
+
+    With sample=True (and non-greedy sampling) drafts are sampled from the draft's own
+    transformed distribution q and verified by the general acceptance rule; otherwise
+    drafts are the draft model's greedy tokens (a deterministic proposer).
+    """
+
+    model: Model
+    k: int = 4
+    sample: bool = False
+
+    def __post_init__(self) -> None:
+        _check_k(self.k, steps.BUCKETS[-1] - 1)
+
+    def start(self, target: Model, prompt: np.ndarray, capacity: int, seed: int, sampling: Sampling) -> Session:
+        if self.model.config.vocab_size != target.config.vocab_size:
+            where = f" ({self.model.path})" if self.model.path else ""
+            raise ProposerError(
+                f"draft model{where} has vocab_size {self.model.config.vocab_size}, "
+                f"target has {target.config.vocab_size}: they must share a vocabulary")
+        return _DraftSession(self, capacity, seed, sampling, prompt)
+
+
+class _DraftSession:
+    """Draft cache convention: holds `length` committed tokens; the rest are fed next call."""
+
+    def __init__(self, spec: DraftProposer, capacity: int, seed: int, sampling: Sampling, prompt: np.ndarray):
+        m = spec.model
+        self.spec, self.seed, self.sampling = spec, jnp.uint32(seed), sampling
+        self.sample = spec.sample and not sampling.greedy
+        self.kv = kvlib.init(m.config, 1, capacity, m.dtype)
+        self.length = 0  # committed tokens whose K/V are valid in the draft cache
+        self._prefill(prompt[:-1])
+        self.pending = 0  # drafts of the last proposal (their K/V were written)
+
+    def _prefill(self, tokens: np.ndarray) -> None:
+        from .loop import run_prefill
+        m = self.spec.model
+        if len(tokens):
+            _, self.kv, _ = run_prefill(m, self.kv, tokens, self.seed, Sampling())
+        self.length = len(tokens)
+
+    def propose(self, history: np.ndarray, limit: int) -> Proposal:
+        feed = history[self.length:]
+        if len(feed) > 2:  # cannot happen in the loop; guards a misuse of the session
+            raise ProposerError(f"draft cache lags {len(feed)} tokens; at most 2 are supported")
+        m, k = self.spec.model, self.spec.k
+        padded = np.zeros(2, np.int32)
+        padded[:len(feed)] = feed
+        drafts, logq, self.kv = steps.draft(
+            m.params, m.config, self.kv, jnp.asarray(padded), jnp.int32(len(feed)), jnp.int32(self.length),
+            self.seed, k=k, sampling=self.sampling, sample=self.sample)
+        self.fed = len(feed)
+        return Proposal(drafts, min(k, limit), logq)
+
+    def observe(self, accepted: int, history: np.ndarray) -> None:
+        # K/V written: the fed tokens and d_1 .. d_{k-1}; the committed ones among them are
+        # the fed tokens plus the accepted drafts, except d_k (never fed).
+        self.length += self.fed + min(accepted, self.spec.k - 1)

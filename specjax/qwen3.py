@@ -1,0 +1,139 @@
+"""Qwen3 decoder as pure functions over the runtime parameter tree (see checkpoint.py).
+
+Shape letters are those of kv.py. With `kv=None` attention is causal over the given tokens
+only (training, parity tests); with a KVCache the tokens' keys and values are written at
+their absolute positions first and every query attends to all slots at or before its own
+position. Numerics follow transformers' Qwen3: norms, softmax and logits in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import kv as kvlib
+from .checkpoint import LAYERS, Params
+from .config import Qwen3Config
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, scaled by `weight` in the input dtype (as HF does)."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x [..., in] times a HF-oriented weight [out, in]."""
+    y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+    return y if b is None else y + b
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding (rotate-half convention) of x [B, T, N, E] at positions [B, T]."""
+    e = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+    """Grouped-query attention; q [B, T, H, E], k/v [B, K, S, E]; key j is seen iff k_pos <= q_pos.
+
+    Queries are laid out [B, K, T*G, E] so both products are plain batched matmuls, the
+    form XLA:CPU runs fastest (reference/cpu-facts.md section 5).
+    """
+    b, t, h, e = q.shape
+    kh = k.shape[1]
+    g = h // kh
+    qg = q.reshape(b, t, kh, g, e).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, e)
+    scores = jax.lax.dot_general(qg, k, (((3,), (3,)), ((0, 1), (0, 1))),
+                                 preferred_element_type=jnp.float32) * (e ** -0.5)  # [B, K, T*G, S]
+    qp = jnp.repeat(q_pos, g, axis=1)  # [B, T*G]
+    mask = k_pos[:, None, None, :] <= qp[:, None, :, None]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jax.lax.dot_general(probs, v, (((3,), (2,)), ((0, 1), (0, 1))))  # [B, K, T*G, E]
+    return out.reshape(b, kh, t, g, e).transpose(0, 2, 1, 3, 4).reshape(b, t, h * e)
+
+
+def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
+           cache: tuple | None, layer: jax.Array) -> tuple[jax.Array, tuple | None]:
+    """One decoder layer; returns the new residual stream and the updated pools."""
+    b, t, _ = x.shape
+    hd, nh, nk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    h = rms_norm(x, lp["input_layernorm.weight"], cfg.rms_norm_eps)
+    qkv = linear(h, lp["self_attn.qkv_proj.weight"], lp.get("self_attn.qkv_proj.bias"))
+    q, k, v = jnp.split(qkv, [nh * hd, (nh + nk) * hd], axis=-1)
+    q = rope(rms_norm(q.reshape(b, t, nh, hd), lp["self_attn.q_norm.weight"], cfg.rms_norm_eps),
+             positions, cfg.rope_theta)
+    k = rope(rms_norm(k.reshape(b, t, nk, hd), lp["self_attn.k_norm.weight"], cfg.rms_norm_eps),
+             positions, cfg.rope_theta)
+    v = v.reshape(b, t, nk, hd)
+    if cache is None:
+        keys, values, k_pos = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions
+    else:
+        k_pool, v_pool, page_table, page_size = cache
+        k_pool = kvlib.write(k_pool, layer, k, page_table, positions, page_size)
+        v_pool = kvlib.write(v_pool, layer, v, page_table, positions, page_size)
+        keys = kvlib.read(k_pool, layer, page_table)
+        values = kvlib.read(v_pool, layer, page_table)
+        k_pos = jnp.broadcast_to(jnp.arange(keys.shape[2]), (b, keys.shape[2]))
+        cache = (k_pool, v_pool, page_table, page_size)
+    attn = attend(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
+    x = x + linear(attn, lp["self_attn.o_proj.weight"], lp.get("self_attn.o_proj.bias"))
+    h = rms_norm(x, lp["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    gate, up = jnp.split(linear(h, lp["mlp.gate_up_proj.weight"]), 2, axis=-1)
+    x = x + linear(jax.nn.silu(gate) * up, lp["mlp.down_proj.weight"])
+    return x, cache
+
+
+def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Array,
+                  kv: kvlib.KVCache | None = None, taps: tuple[int, ...] = ()
+                  ) -> tuple[jax.Array, kvlib.KVCache | None, jax.Array | None]:
+    """Final-normed hidden states [B, T, D], the updated cache, and taps [n, B, T, D].
+
+    taps[i] is the residual stream after layer taps[i] (transformers' hidden_states[id + 1];
+    for the last layer that is the final-normed state, as in transformers). The cache's
+    lengths are not changed here: the caller decides how many tokens it commits.
+    """
+    x = params["model.embed_tokens.weight"][tokens]
+    cache = None if kv is None else (kv.k, kv.v, kv.page_table, kv.page_size)
+
+    def body(carry, xs):
+        x, pools = carry
+        lp, layer = xs
+        c = None if pools is None else (*pools, kv.page_table, kv.page_size)
+        x, c = _layer(cfg, lp, x, positions, c, layer)
+        return (x, None if c is None else c[:2]), (x if taps else None)
+
+    pools = None if cache is None else cache[:2]
+    layer_ids = jnp.arange(cfg.num_hidden_layers)
+    (x, pools), per_layer = jax.lax.scan(body, (x, pools), (params[LAYERS], layer_ids))
+    h = rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps)
+    tapped = None
+    if taps:
+        last = cfg.num_hidden_layers - 1
+        tapped = jnp.stack([h if i == last else per_layer[i] for i in taps])
+    if kv is not None:
+        kv = kv.replace(k=pools[0], v=pools[1])
+    return h, kv, tapped
+
+
+def unembed(params: Params, cfg: Qwen3Config, h: jax.Array) -> jax.Array:
+    """Logits in float32 from final hidden states."""
+    w = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    return jax.lax.dot_general(h, w, (((h.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def forward(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Array,
+            kv: kvlib.KVCache | None = None, taps: tuple[int, ...] = ()
+            ) -> tuple[jax.Array, kvlib.KVCache | None, Any]:
+    """Logits [B, T, V] (float32), the updated cache and the requested taps."""
+    h, kv, tapped = hidden_states(params, cfg, tokens, positions, kv, taps)
+    return unembed(params, cfg, h), kv, tapped

@@ -1,0 +1,131 @@
+"""Distribution transforms, position-keyed randomness and the speculative acceptance rules.
+
+Randomness is a function of (seed, stream, absolute position): the numbers that decide
+the token at position n come from fold_in(fold_in(key(seed), stream), n), never from a
+key split per step. Plain and speculative decoding therefore draw the same numbers for
+the same token, which is what makes "sample t from p, accept draft d iff t == d" emit
+exactly plain decoding's tokens for any deterministic proposer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+# Counter streams: separate so that draft sampling, acceptance and residual draws are
+# independent of each other and of the target's own samples at the same position.
+TARGET, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3
+
+
+class SamplingError(ValueError):
+    """Invalid sampling parameters."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Decoding distribution: temperature 0 is greedy (argmax, lowest id wins ties).
+
+    Otherwise the distribution is transformers' logits-processor chain: temperature,
+    then top-k, top-p and min-p (each disabled at its default).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise SamplingError(f"min_p must be in [0, 1], got {self.min_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def transform(logits: jax.Array, s: Sampling) -> jax.Array:
+    """Log-probabilities [..., V] (float32) of the sampling distribution; -inf outside it."""
+    x = logits.astype(jnp.float32)
+    if s.greedy:
+        top = jnp.argmax(x, axis=-1)
+        return jnp.where(jnp.arange(x.shape[-1]) == top[..., None], 0.0, -jnp.inf)
+    x = x / s.temperature
+    if 0 < s.top_k < x.shape[-1]:
+        kth = jax.lax.top_k(x, s.top_k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    if s.top_p < 1.0:
+        order = jnp.argsort(x, axis=-1)  # ascending, as transformers' TopPLogitsWarper
+        sorted_x = jnp.take_along_axis(x, order, axis=-1)
+        cum = jnp.cumsum(jax.nn.softmax(sorted_x, axis=-1), axis=-1)
+        drop_sorted = (cum <= 1.0 - s.top_p).at[..., -1].set(False)
+        drop = jnp.take_along_axis(drop_sorted, jnp.argsort(order, axis=-1), axis=-1)
+        x = jnp.where(drop, -jnp.inf, x)
+    if s.min_p > 0.0:
+        probs = jax.nn.softmax(x, axis=-1)
+        x = jnp.where(probs < s.min_p * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def position_key(seed: jax.Array, stream: int, position: jax.Array) -> jax.Array:
+    """The key of (seed, stream, absolute position)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), position)
+
+
+def sample(logprobs: jax.Array, key: jax.Array) -> jax.Array:
+    """One token from a [V] log-distribution by Gumbel-max (exact; -inf never chosen)."""
+    return jnp.argmax(logprobs + jax.random.gumbel(key, logprobs.shape, jnp.float32)).astype(jnp.int32)
+
+
+def target_tokens(logits: jax.Array, positions: jax.Array, seed: jax.Array, s: Sampling) -> jax.Array:
+    """The target's token [T] after each of T logit rows; row i decides position positions[i]."""
+    if s.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logprobs = transform(logits, s)
+    keys = jax.vmap(lambda p: position_key(seed, TARGET, p))(positions)
+    return jax.vmap(sample)(logprobs, keys)
+
+
+def accept_probability(logp: jax.Array, logq: jax.Array, d: jax.Array) -> jax.Array:
+    """min(1, p(d) / q(d)) computed in log space (no underflow when q(d) is tiny)."""
+    return jnp.exp(jnp.minimum(0.0, logp[d] - logq[d]))
+
+
+def residual_logprobs(logp: jax.Array, logq: jax.Array) -> jax.Array:
+    """log normalize(max(p - q, 0)); falls back to p when p == q leaves no mass."""
+    r = jnp.maximum(jnp.exp(logp) - jnp.exp(logq), 0.0)
+    total = jnp.sum(r)
+    return jnp.where(total > 0, jnp.log(r) - jnp.log(jnp.where(total > 0, total, 1.0)), logp)
+
+
+def accept_sampled(logits: jax.Array, drafts: jax.Array, logq: jax.Array, n_drafts: jax.Array,
+                   positions: jax.Array, seed: jax.Array, s: Sampling) -> tuple[jax.Array, jax.Array]:
+    """Speculative sampling over T = k + 1 target rows for k sampled drafts.
+
+    Draft i (at positions[i]) is accepted with probability min(1, p_i(d)/q_i(d)); the
+    first rejection is replaced by a sample from normalize(max(p_i - q_i, 0)); if all
+    n_drafts are accepted the bonus comes from p. The emitted tokens follow p exactly
+    (Leviathan et al. 2023, Chen et al. 2023). Returns (tokens [T], accepted count).
+    """
+    logp = transform(logits, s)  # [T, V]
+    k = drafts.shape[0]
+    ratio = jax.vmap(accept_probability)(logp[:k], logq, drafts)
+    u = jax.vmap(lambda p: jax.random.uniform(position_key(seed, ACCEPT, p)))(positions[:k])
+    ok = (u < ratio) & (jnp.arange(k) < n_drafts)
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
+    bonus = target_tokens(logits[accepted][None], positions[accepted][None], seed, s)[0]
+    res_row = jnp.minimum(accepted, k - 1)
+    residual = sample(residual_logprobs(logp[res_row], logq[res_row]),
+                      position_key(seed, RESIDUAL, positions[accepted]))
+    fix = jnp.where(accepted < n_drafts, residual, bonus)
+    padded = jnp.concatenate([drafts, jnp.zeros((1,), drafts.dtype)])
+    tokens = jnp.where(jnp.arange(k + 1) < accepted, padded, fix)
+    return tokens.astype(jnp.int32), accepted

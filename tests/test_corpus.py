@@ -1,0 +1,60 @@
+"""The corpus split is fixed and disjoint, and training never sees held-out files."""
+
+import re
+import zlib
+
+from train import corpus
+from train.edits import render_prompt, rename_identifier
+
+INSTRUCTION = re.compile(r"^# Rename `(\w+)` to `(\w+)`\.\n", re.MULTILINE)
+
+
+def _stripped_lines(text: str) -> str:
+    return "\n".join(line.strip() for line in text.split("\n"))
+
+
+def test_split_is_deterministic_disjoint_and_documented():
+    files = corpus.stdlib_files()
+    train, heldout = corpus.split(files)
+    assert (train, heldout) == corpus.split(corpus.stdlib_files())
+    assert not set(train) & set(heldout)
+    assert sorted(train + heldout) == files
+    assert 0.02 < len(heldout) / len(files) < 0.10
+    for path in heldout:
+        assert zlib.crc32(corpus.relative_path(path).encode()) % 20 == 0
+    for path in train:
+        assert zlib.crc32(corpus.relative_path(path).encode()) % 20 != 0
+
+
+def test_excludes_tests_site_packages_and_large_files():
+    for path in corpus.stdlib_files():
+        parts = path.relative_to(corpus.stdlib_root()).parts
+        assert not {"test", "tests", "site-packages", "__pycache__"} & set(parts), path
+        assert not any(p.startswith("test_") or p.endswith("_test") for p in parts), path
+        assert path.stat().st_size <= corpus.MAX_FILE_BYTES
+
+
+def test_training_documents_hold_no_heldout_text():
+    train_files, heldout_files = corpus.split(corpus.stdlib_files())
+    train_texts = corpus.read_sources(train_files)[0]
+    # (Empty __init__.py files and the like are in both splits.)
+    heldout_texts = set(corpus.read_sources(heldout_files)[0]) - set(train_texts)
+    train_lines = _stripped_lines("\n".join(train_texts))
+
+    docs = list(corpus.training_documents(seed=0))
+    train_set = set(train_texts)
+    whole = [d for d in docs if d in train_set]
+    edits = [d for d in docs if d not in train_set]
+    assert sorted(whole) == sorted(train_texts)  # every training file exactly once
+    assert not heldout_texts & set(docs)
+    edit_share = sum(map(len, edits)) / sum(map(len, docs))
+    assert abs(edit_share - corpus.EDIT_SHARE) < 0.02
+
+    for doc in edits:
+        match = INSTRUCTION.search(doc)
+        snippet, answer = doc[: match.start()], doc[match.end() :]
+        old, new = match.groups()
+        assert doc[: match.end()] == render_prompt(snippet, old, new)
+        assert answer == rename_identifier(snippet, old, new)
+        # The snippet is a run of lines of some training file (up to indentation).
+        assert _stripped_lines(snippet.rstrip("\n")) in train_lines

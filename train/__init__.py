@@ -1,0 +1,1 @@
+"""Training pipelines for the shipped models: corpus, tokenizer, causal-LM training."""
