@@ -1,0 +1,149 @@
+"""`specjax` command line: generate (streaming) and bench."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+class UsageError(ValueError):
+    """A command-line request that cannot be served."""
+
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-code"
+
+
+def default_model() -> Path:
+    """$SPECJAX_MODEL, else the shipped checkpoints/tiny-code."""
+    return Path(os.environ.get("SPECJAX_MODEL", DEFAULT_MODEL))
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text, streaming it as it is produced")
+    p.add_argument("--model", type=Path, default=None, help="HF Qwen3 folder (default: checkpoints/tiny-code)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--max-new-tokens", type=_positive, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--speculate", type=_positive, metavar="K", help="n-gram (prompt lookup) drafts of up to K tokens")
+    spec.add_argument("--draft", type=Path, metavar="DIR", help="draft model folder (same vocabulary)")
+    spec.add_argument("--draft-k", type=_positive, default=4, metavar="K", help="draft model tokens per step")
+    spec.add_argument("--sample-drafts", action="store_true", help="sample draft tokens (general acceptance rule)")
+    p.add_argument("--no-speculate", action="store_true", help="plain decoding")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specjax", description="Lossless speculative decoding for Qwen3 in JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def _prompt_ids(args, tokenizer) -> list[int]:
+    if args.prompt_file is not None:
+        if not args.prompt_file.is_file():
+            raise UsageError(f"--prompt-file {args.prompt_file}: no such file")
+        text = args.prompt_file.read_text()
+    elif args.prompt is not None:
+        text = args.prompt
+    else:
+        raise UsageError("give --prompt TEXT or --prompt-file F")
+    if args.chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UsageError("--chat: this model's tokenizer has no chat template")
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    return tokenizer(text)["input_ids"]
+
+
+def _proposer(args, target):
+    from .proposers import DraftProposer, NgramProposer
+    from .model import load
+
+    if args.no_speculate:
+        return None
+    if args.draft is not None:
+        return DraftProposer(load(args.draft, target.dtype), k=args.draft_k, sample=args.sample_drafts)
+    if args.speculate is not None:
+        return NgramProposer(k=args.speculate)
+    return None
+
+
+class _Streamer:
+    """Prints text as tokens arrive, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tok, self.out, self.ids, self.shown = tokenizer, out, [], 0
+
+    def __call__(self, new: list[int]) -> None:
+        self.ids += new
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.shown:])
+        self.out.flush()
+        self.shown = len(text)
+
+
+def _generate(args) -> int:
+    from .loop import generate
+    from .model import load
+    from .sampling import Sampling
+
+    folder = args.model or default_model()
+    model = load(folder)
+    if model.tokenizer is None:
+        raise UsageError(f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
+    ids = _prompt_ids(args, model.tokenizer)
+    proposer = _proposer(args, model)
+    stream = _Streamer(model.tokenizer)
+    res = generate(model, ids, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
+                   stop_ids=model.eos_ids, speculative=proposer, on_tokens=stream)
+    s = res.stats
+    line = (f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, prefill {s.prefill_s * 1e3:.0f} ms "
+            f"({s.prompt_tokens} prompt tokens)")
+    if proposer is not None:
+        acc = s.accepted / s.drafted if s.drafted else 0.0
+        line += f", {s.tokens_per_step:.2f} tokens/step, {acc:.0%} of drafts accepted"
+    print(line + "]", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
+    from .loop import GenerationError
+    from .proposers import ProposerError
+    from .sampling import SamplingError
+
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except (CheckpointError, ConfigError, GenerationError, ProposerError, SamplingError, UsageError) as e:
+        parser.exit(2, f"specjax: error: {e}\n")
+    except KeyboardInterrupt:
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

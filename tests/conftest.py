@@ -1,0 +1,64 @@
+"""Shared fixtures: random tiny Qwen3 models built by transformers (no download)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("SPECJAX_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax"))
+
+import numpy as np
+import pytest
+
+
+def hf_tiny(folder: Path, seed: int = 0, dtype: str = "float32", max_shard_size: str | None = None,
+            init: float = 0.4, **overrides):
+    """Build, save and return a random transformers Qwen3ForCausalLM (f32 in memory).
+
+    A large init range keeps greedy output from collapsing to one repeated token.
+    """
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    kw = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True,
+              initializer_range=init, max_position_embeddings=4096)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**kw)).eval()
+    with torch.no_grad():  # random (not unit) norm weights so the parity test sees them
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    save_kw = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.to(getattr(torch, dtype)).save_pretrained(folder, **save_kw)
+    return model.float()
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """(transformers model, folder, specjax model) of one random tiny Qwen3, shared by tests."""
+    import specjax
+
+    folder = tmp_path_factory.mktemp("tiny")
+    ref = hf_tiny(folder)
+    return ref, folder, specjax.load(folder)
+
+
+@pytest.fixture(scope="session")
+def calm(tmp_path_factory):
+    """(transformers model, specjax model) with init 0.1: logits and residuals of order 1-10,
+    the scale the f32 tolerances (1e-5 simple ops, 1e-4 composites) are set for."""
+    import specjax
+
+    folder = tmp_path_factory.mktemp("calm")
+    ref = hf_tiny(folder, seed=7, init=0.1)
+    return ref, specjax.load(folder)
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh randomness per run; the seed is printed on failure via the test id."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"rng seed {seed}")
+    return np.random.default_rng(seed)

@@ -1,0 +1,88 @@
+"""Plain generation: greedy equals transformers' generate; bad input is a clear error."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import specjax
+from specjax.checkpoint import CheckpointError
+from specjax.config import ConfigError
+from specjax.loop import GenerationError
+from conftest import hf_tiny
+
+
+def test_greedy_equals_transformers_generate(tiny, rng):
+    ref, _, model = tiny
+    for length in (1, 9, 150):
+        ids = rng.integers(0, model.config.vocab_size, length)
+        with torch.no_grad():
+            want = ref.generate(torch.tensor(ids[None]), attention_mask=torch.ones(1, length, dtype=torch.long),
+                                max_new_tokens=64, min_new_tokens=64, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, length:].tolist()
+        got = specjax.generate(model, ids, max_new_tokens=64)
+        assert got.tokens == want
+        assert got.stats.new_tokens == 64 and got.stats.steps == 63
+
+
+def test_stop_id_and_max_new_tokens(tiny, rng):
+    _, _, model = tiny
+    ids = rng.integers(0, model.config.vocab_size, 12)
+    full = specjax.generate(model, ids, max_new_tokens=30).tokens
+    stop = full[10]
+    first = full.index(stop)
+    res = specjax.generate(model, ids, max_new_tokens=30, stop_ids=[stop])
+    assert res.tokens == full[:first + 1] and res.stopped
+    assert specjax.generate(model, ids, max_new_tokens=7).tokens == full[:7]
+
+
+def test_missing_weights_file(tmp_path):
+    hf_tiny(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        specjax.load(tmp_path)
+
+
+def test_missing_folder_and_config(tmp_path):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        specjax.load(tmp_path / "nope")
+    with pytest.raises(ConfigError, match="config.json"):
+        specjax.load(tmp_path)
+
+
+def test_wrong_tensor_shape_names_the_tensor(tmp_path):
+    hf_tiny(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["intermediate_size"] = 80
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.(down|gate|up)_proj\.weight"):
+        specjax.load(tmp_path)
+
+
+def test_unknown_model_type(tmp_path):
+    hf_tiny(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="model_type"):
+        specjax.load(tmp_path)
+
+
+def test_prompt_longer_than_capacity(tiny):
+    _, _, model = tiny
+    with pytest.raises(GenerationError, match="capacity"):
+        specjax.generate(model, [1] * 300, max_new_tokens=10, capacity=256)
+    with pytest.raises(GenerationError, match="max_position_embeddings"):
+        specjax.generate(model, [1] * 4000, max_new_tokens=200)
+
+
+@pytest.mark.parametrize("ids,match", [([], "non-empty"), ([5, 101], r"\[0, 101\)"), ([-1], r"\[0, 101\)")])
+def test_bad_prompt(tiny, ids, match):
+    with pytest.raises(GenerationError, match=match):
+        specjax.generate(tiny[2], ids, max_new_tokens=3)
+
+
+def test_bad_max_new_tokens(tiny):
+    with pytest.raises(GenerationError, match="max_new_tokens"):
+        specjax.generate(tiny[2], [1, 2], max_new_tokens=0)

@@ -1,0 +1,195 @@
+"""The exactness contract of speculative decoding (DESIGN.md): greedy and sampled."""
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import specjax
+from specjax import kv as kvlib
+from specjax import qwen3, steps
+from specjax import sampling as smp
+from specjax.loop import run_prefill
+from specjax.proposers import DraftProposer, NgramProposer, ProposerError
+from specjax.sampling import Sampling
+from conftest import hf_tiny
+
+SAMPLED = Sampling(temperature=0.8, top_k=40, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def cyclic(tmp_path_factory):
+    """A random target whose greedy output falls into cycles, so n-gram drafts get accepted."""
+    folder = tmp_path_factory.mktemp("cyclic")
+    hf_tiny(folder, seed=3, init=0.1)
+    return specjax.load(folder)
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("draft")
+    hf_tiny(folder, seed=5, num_hidden_layers=1, hidden_size=32, intermediate_size=48, head_dim=16)
+    return specjax.load(folder)
+
+
+def _prompt(rng, vocab, period=9, repeats=3):
+    base = rng.integers(0, vocab, period)
+    return np.concatenate([np.tile(base, repeats), base[:4]])
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 7, 15])
+def test_ngram_greedy_equals_plain(cyclic, tiny, rng, k):
+    for model in (cyclic, tiny[2]):
+        ids = _prompt(rng, model.config.vocab_size)
+        plain = specjax.generate(model, ids, max_new_tokens=48)
+        spec = specjax.generate(model, ids, max_new_tokens=48, speculative=NgramProposer(k=k))
+        assert spec.tokens == plain.tokens
+        if model is cyclic:
+            assert spec.stats.accepted > 0 and spec.stats.steps < plain.stats.steps
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_draft_model_greedy_equals_plain(tiny, small_draft, rng, k):
+    model = tiny[2]
+    ids = _prompt(rng, model.config.vocab_size)
+    plain = specjax.generate(model, ids, max_new_tokens=40)
+    spec = specjax.generate(model, ids, max_new_tokens=40, speculative=DraftProposer(small_draft, k=k))
+    assert spec.tokens == plain.tokens
+    selfdraft = specjax.generate(model, ids, max_new_tokens=40, speculative=DraftProposer(model, k=k))
+    assert selfdraft.tokens == plain.tokens
+    # the target drafting for itself: every draft accepted, every step emits k + 1 (bar the tail)
+    assert selfdraft.stats.accepted == selfdraft.stats.drafted
+    assert selfdraft.stats.steps == -(-39 // (k + 1))
+
+
+def test_stop_and_max_new_tokens_inside_an_accepted_block(tiny, rng):
+    model = tiny[2]
+    ids = rng.integers(0, model.config.vocab_size, 10)
+    plain = specjax.generate(model, ids, max_new_tokens=40).tokens
+    prop = DraftProposer(model, k=8)  # all drafts accepted: blocks of 9 after the first token
+    for cut in (5, 6, 13):  # positions strictly inside a block
+        res = specjax.generate(model, ids, max_new_tokens=cut, speculative=prop)
+        assert res.tokens == plain[:cut]
+        stop = plain[cut - 1]
+        res = specjax.generate(model, ids, max_new_tokens=40, stop_ids=[stop], speculative=prop)
+        assert res.tokens == plain[:plain.index(stop) + 1] and res.stopped
+
+
+def test_sampled_deterministic_proposers_equal_plain_sampled(cyclic, tiny, small_draft, rng):
+    for model, prop in [(cyclic, NgramProposer(k=4)), (tiny[2], NgramProposer(k=3)),
+                        (tiny[2], DraftProposer(small_draft, k=3)), (tiny[2], DraftProposer(tiny[2], k=5))]:
+        ids = _prompt(rng, model.config.vocab_size)
+        seed = int(rng.integers(1 << 31))
+        plain = specjax.generate(model, ids, max_new_tokens=40, sampling=SAMPLED, seed=seed)
+        spec = specjax.generate(model, ids, max_new_tokens=40, sampling=SAMPLED, seed=seed, speculative=prop)
+        assert spec.tokens == plain.tokens
+    assert spec.stats.accepted > 0
+
+
+def _case_distributions(rng):
+    """(name, p, q) pairs over a small vocabulary covering the edge cases of the rule."""
+    v = 12
+    lp = lambda x: np.asarray(smp.transform(jnp.asarray(x, jnp.float32), Sampling(temperature=1.0)))
+    a, b = rng.standard_normal(v) * 2, rng.standard_normal(v) * 2
+    p_zero = a.copy()
+    p_zero[[0, 5]] = -np.inf
+    q_zero = b.copy()
+    q_zero[[1, 2, 7]] = -np.inf
+    tie = np.zeros(v)
+    tie[[3, 4]] = 5.0
+    tiny_q = b.copy()
+    tiny_q[[0, 3]] = -300.0  # q(x) = exp(-300 - ...) underflows in linear float32
+    return [
+        ("random", lp(a), lp(b)),
+        ("p-zero", lp(p_zero), lp(b)),
+        ("q-zero", lp(a), lp(q_zero)),
+        ("ties", lp(tie), lp(tie[::-1])),
+        ("equal", lp(a), lp(a)),
+        ("q-underflow", lp(a), lp(tiny_q)),
+        ("top-k/top-p", np.asarray(smp.transform(jnp.asarray(a, jnp.float32), Sampling(1.0, top_k=4))),
+         np.asarray(smp.transform(jnp.asarray(b, jnp.float32), Sampling(1.0, top_p=0.6)))),
+        ("disjoint-support", np.asarray(smp.transform(jnp.asarray(a, jnp.float32), Sampling(1.0, top_k=2))),
+         np.asarray(smp.transform(jnp.asarray(-a, jnp.float32), Sampling(1.0, top_k=2)))),
+    ]
+
+
+def test_acceptance_rule_enumeration(rng):
+    """P(emit x) = q(x) min(1, p/q)(x) + P(reject) r(x) equals p(x), by enumeration."""
+    for name, logp, logq in _case_distributions(rng):
+        p, q = np.exp(logp.astype(np.float64)), np.exp(logq.astype(np.float64))
+        acc = np.array([float(smp.accept_probability(jnp.asarray(logp), jnp.asarray(logq), d)) if q[d] > 0 else 0.0
+                        for d in range(len(p))])
+        reject = 1.0 - np.sum(q * acc)
+        r = np.exp(np.asarray(smp.residual_logprobs(jnp.asarray(logp), jnp.asarray(logq)), np.float64))
+        emitted = q * acc + reject * r
+        assert np.abs(emitted - p).max() <= 1e-6, name
+
+
+def _exact_pair_distribution(model, ids, s):
+    """Target probabilities of the 2nd and 3rd generated tokens, summed over the 1st."""
+    v = model.config.vocab_size
+    n = len(ids)
+    seqs = np.array([list(ids) + [a, b] for a, b in itertools.product(range(v), range(v))])
+    logits, _, _ = qwen3.forward(model.params, model.config, seqs, np.broadcast_to(np.arange(n + 2), seqs.shape))
+    logp = np.asarray(smp.transform(logits[:, n - 1:], s), np.float64)  # rows decide tokens 1, 2, 3
+    p1 = np.exp(logp[0, 0])  # [a]
+    p2 = np.exp(logp[::v, 1])  # [a, b]
+    p3 = np.exp(logp[:, 2]).reshape(v, v, v)  # [a, b, c]
+    return np.einsum("a,ab,abc->bc", p1, p2, p3)
+
+
+def test_sampled_drafts_follow_target_distribution(tmp_path_factory):
+    """Chi-square of tokens 2-3 (one speculative step, 2 sampled drafts) against the exact target law."""
+    folders = [tmp_path_factory.mktemp(n) for n in ("t32", "d32")]
+    hf_tiny(folders[0], seed=11, vocab_size=24, init=0.3)
+    hf_tiny(folders[1], seed=12, vocab_size=24, num_hidden_layers=1, init=0.3)
+    target, draft = specjax.load(folders[0]), specjax.load(folders[1])
+    s = Sampling(temperature=1.0, top_k=12)
+    ids = np.array([3, 7, 1, 9])
+    exact = _exact_pair_distribution(target, ids, s)
+    prop = DraftProposer(draft, k=2, sample=True)
+    n = 2500
+    counts = np.zeros_like(exact)
+    accepted = 0
+    for seed in range(n):
+        res = specjax.generate(target, ids, max_new_tokens=4, sampling=s, seed=seed, speculative=prop)
+        counts[res.tokens[1], res.tokens[2]] += 1
+        accepted += res.stats.accepted
+    assert 0 < accepted < 2 * n  # both the accept and the residual paths ran
+    expected = exact.ravel() * n
+    big = expected >= 5
+    obs = np.append(counts.ravel()[big], counts.ravel()[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    assert counts.ravel()[exact.ravel() == 0].sum() == 0
+    assert stats.chisquare(obs, exp * (obs.sum() / exp.sum())).pvalue > 1e-3
+
+
+def test_rollback_then_next_logits_equal_fresh_forward(tiny, rng):
+    _, _, model = tiny
+    cfg, v = model.config, model.config.vocab_size
+    ids = rng.integers(0, v, 21).astype(np.int32)
+    cache = kvlib.init(cfg, 1, 256)
+    first, cache, _ = run_prefill(model, cache, ids, jnp.uint32(0), Sampling())
+    truth = specjax.generate(model, ids, max_new_tokens=4).tokens
+    drafts = np.array([truth[1], (truth[2] + 1) % v, 5, 6, 7], np.int32)  # 1 right, then wrong
+    out, count, _, cache, _ = steps.verify(model.params, cfg, cache, np.int32(first), drafts, np.int32(5),
+                                           jnp.uint32(0), sampling=Sampling(), width=8)
+    assert int(count) == 2 and int(cache.lengths[0]) == 23
+    committed = np.concatenate([ids, [truth[0], truth[1]]])
+    nxt = int(out[1])
+    got, _, _ = qwen3.forward(model.params, cfg, np.array([[nxt]]), np.array([[23]]), cache)
+    want, _, _ = qwen3.forward(model.params, cfg, np.concatenate([committed, [nxt]])[None], np.arange(24)[None])
+    assert nxt == truth[2]
+    assert np.abs(np.asarray(got[0, 0]) - np.asarray(want[0, -1])).max() <= 1e-4
+
+
+def test_proposer_errors(tiny, tmp_path):
+    hf_tiny(tmp_path, vocab_size=77)
+    other = specjax.load(tmp_path)
+    with pytest.raises(ProposerError, match="vocab_size 77"):
+        specjax.generate(tiny[2], [1, 2, 3], max_new_tokens=5, speculative=DraftProposer(other, k=2))
+    for bad in (0, 16, 2.5):
+        with pytest.raises(ProposerError, match="k must be"):
+            NgramProposer(k=bad)

@@ -1,0 +1,260 @@
+"""Causal-LM training loop shared by ``train.target`` and ``train.draft``.
+
+Next-token cross-entropy on random windows of a token shard (:mod:`train.data`), optax
+AdamW (b2 0.95, weight decay 0.1 on matrices only) after global-norm clipping 1.0, with a
+warmup + cosine schedule down to 10 % of the peak. One jitted step donates params and
+optimizer state.
+
+Resume: an orbax ``CheckpointManager`` (last 2 kept, indexed by step) under
+``<ckpt-dir>/orbax`` holds params, optimizer state and a JSON record (best held-out loss,
+model config), saved every ``--save-every-minutes``, on Ctrl-C or ``kill`` (SIGTERM) and
+at the end; a restarted run continues from the latest one, so ``kill -9`` loses at most
+one interval. The batch of step ``s`` is drawn from ``np.random.default_rng((seed, s))``:
+the step number is the whole data RNG state, and a resumed run sees exactly the batches
+an uninterrupted one would.
+
+Held-out loss on fixed windows is evaluated every ``--eval-every`` steps and appended to
+``<ckpt-dir>/metrics.jsonl``; whenever it improves, the model is exported (bf16, HF
+layout, with tokenizer files and ``generation_config.json``) to ``--export``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from specjax import checkpoint, qwen3
+from specjax.config import Qwen3Config
+from specjax.runtime import enable_compilation_cache
+from train.data import load_shard, random_batches
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and bookkeeping settings (the model's are a :class:`Qwen3Config`)."""
+
+    steps: int = 4000
+    batch: int = 8
+    seq: int = 512
+    lr: float = 1e-3
+    warmup: int = 200
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    eval_every: int = 200
+    eval_batches: int = 16
+    save_every_minutes: float = 5.0
+    seed: int = 0
+
+
+@functools.cache
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """Clip, then AdamW with warmup-cosine schedule; no decay on norm weights and biases."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup, tc.steps, end_value=tc.lr * 0.1)
+
+    def decay_mask(params: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: not str(path[-1].key).endswith(("norm.weight", ".bias")), params)
+
+    return optax.chain(
+        optax.clip_by_global_norm(tc.clip),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay, mask=decay_mask),
+    )
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def loss_fn(params: Any, cfg: Qwen3Config, windows: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy (nats) of windows [B, T+1]."""
+    tokens, targets = windows[:, :-1], windows[:, 1:]
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    logits, _, _ = qwen3.forward(params, cfg, tokens, positions)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+@functools.cache
+def make_train_step(cfg: Qwen3Config, tc: TrainConfig) -> Callable:
+    """Jitted ``(params, opt_state, windows) -> (params, opt_state, loss)``; donates state.
+    Cached per (cfg, tc), so a resumed run in the same process does not recompile."""
+    optimizer = make_optimizer(tc)
+
+    def step(params, opt_state, windows):
+        loss, grads = jax.value_and_grad(loss_fn)(params, cfg, windows)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def eval_windows(tokens: np.ndarray, tc: TrainConfig) -> np.ndarray:
+    """Fixed held-out windows [n, B, T+1]: non-overlapping, evenly spaced over the shard."""
+    chunks = np.asarray(tokens[: tokens.size // (tc.seq + 1) * (tc.seq + 1)], np.int32).reshape(-1, tc.seq + 1)
+    n = min(tc.eval_batches, len(chunks) // tc.batch)
+    if n == 0:
+        raise ValueError(f"held-out shard of {tokens.size} tokens has no batch of {tc.batch} x {tc.seq + 1}")
+    pick = np.linspace(0, len(chunks) - 1, n * tc.batch).astype(int)
+    return chunks[pick].reshape(n, tc.batch, tc.seq + 1)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def initial_state(cfg: Qwen3Config, tc: TrainConfig) -> dict:
+    """Fresh {"params", "opt_state"} (one compiled program, cached per config)."""
+    params = checkpoint.init_params(cfg, jax.random.key(tc.seed))
+    return {"params": params, "opt_state": make_optimizer(tc).init(params)}
+
+
+def batch_at(tokens: np.ndarray, tc: TrainConfig, step: int) -> np.ndarray:
+    """The training batch of ``step`` (a pure function of seed and step)."""
+    return random_batches(tokens, tc.batch, tc.seq, np.random.default_rng((tc.seed, step)))
+
+
+class Checkpoints:
+    """Orbax manager (last 2 kept) of {params, opt_state} plus a JSON record, by step."""
+
+    def __init__(self, directory: Path):
+        options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False)
+        self.manager = ocp.CheckpointManager(Path(directory).resolve() / "orbax", options=options)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: dict, record: dict) -> None:
+        if self.manager.latest_step() != step:
+            self.manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)))
+
+    def restore(self, abstract_state: dict) -> tuple[dict, dict]:
+        step = self.manager.latest_step()
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), record=ocp.args.JsonRestore()))
+        return out.state, out.record
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def export(out: Path, params: Any, cfg: Qwen3Config, tokenizer_dir: Path | None) -> None:
+    """A complete HF model folder: config, bf16 weights, tokenizer, generation config."""
+    checkpoint.save(out, params, cfg, dtype="bfloat16")
+    for name in TOKENIZER_FILES if tokenizer_dir else ():
+        src = Path(tokenizer_dir) / name
+        if src.is_file() and src.resolve() != (Path(out) / name).resolve():
+            shutil.copyfile(src, Path(out) / name)
+    generation = {"eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.eos_token_id}
+    (Path(out) / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_tokens: np.ndarray,
+          ckpt_dir: Path, export_dir: Path | None = None, tokenizer_dir: Path | None = None,
+          heldout_bytes_per_token: float | None = None) -> dict:
+    """Train (or resume) until ``tc.steps``; returns the final {"params", "opt_state", "step"}.
+
+    Saves a checkpoint every ``tc.save_every_minutes`` (0: every step), on Ctrl-C and at
+    the end; any other exception propagates without a final save (like a crash)."""
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    train_step = make_train_step(cfg, tc)
+    heldout = eval_windows(heldout_tokens, tc)
+    model_record = cfg.to_hf()
+
+    ckpts = Checkpoints(ckpt_dir)
+    step = ckpts.latest_step() or 0
+    record = {"best_heldout_loss": None, "model": model_record}
+    if step == 0:
+        state = initial_state(cfg, tc)
+    else:
+        state, record = ckpts.restore(jax.eval_shape(initial_state, cfg, tc))
+        if record["model"] != model_record:
+            raise ValueError(f"{ckpt_dir}: checkpoint is of another model config; use a fresh --ckpt-dir")
+        print(f"resumed from {ckpt_dir} at step {step}")
+    params, opt_state = state["params"], state["opt_state"]
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    tokens_per_step = tc.batch * tc.seq
+    print(f"{n_params / 1e6:.2f}M parameters; {tc.steps} steps of {tokens_per_step} tokens")
+
+    def save() -> None:
+        ckpts.save(step, {"params": params, "opt_state": opt_state}, record)
+
+    def evaluate() -> None:
+        loss = float(np.mean([loss_fn(params, cfg, w) for w in heldout]))
+        row = {"step": step, "tokens": step * tokens_per_step, "heldout_loss": loss, "time": time.time()}
+        if heldout_bytes_per_token:
+            row["heldout_bits_per_byte"] = loss / math.log(2) / heldout_bytes_per_token
+        if record["best_heldout_loss"] is None or loss < record["best_heldout_loss"]:
+            record["best_heldout_loss"] = loss
+            if export_dir:
+                export(export_dir, params, cfg, tokenizer_dir)
+                row["exported"] = str(export_dir)
+        with open(ckpt_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        tqdm.write(f"step {step}: held-out loss {loss:.4f}" + (" (exported)" if "exported" in row else ""))
+
+    bar = tqdm(total=tc.steps * tokens_per_step, initial=step * tokens_per_step, unit="tok",
+               unit_scale=True, mininterval=1 if sys.stderr.isatty() else 60)
+    last_save = time.monotonic()
+    try:
+        while step < tc.steps:
+            params, opt_state, loss = train_step(params, opt_state, batch_at(train_tokens, tc, step))
+            step += 1
+            loss = float(loss)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"training loss is {loss} at step {step}")
+            bar.update(tokens_per_step)
+            bar.set_postfix(step=step, loss=f"{loss:.3f}", refresh=False)
+            if step % tc.eval_every == 0 or step == tc.steps:
+                evaluate()
+            if time.monotonic() - last_save >= tc.save_every_minutes * 60:
+                save()
+                last_save = time.monotonic()
+        save()
+    except KeyboardInterrupt:
+        tqdm.write(f"interrupted: saving step {step}")
+        save()
+    finally:
+        bar.close()
+        ckpts.close()
+    return {"params": params, "opt_state": opt_state, "step": step}
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(presets: dict[str, Qwen3Config], default: str, argv: Sequence[str] | None, prog: str,
+         description: str) -> None:
+    """CLI shared by ``train.target`` and ``train.draft``: flags mirror :class:`TrainConfig`."""
+    d = TrainConfig()
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--config", choices=sorted(presets), default=default, help="model preset")
+    p.add_argument("--data", type=Path, default=Path("runs/data"), help="shard dir (python -m train.tokenizer --shards)")
+    p.add_argument("--tokenizer", type=Path, default=Path("checkpoints/tiny-code"), help="tokenizer dir copied into exports")
+    p.add_argument("--ckpt-dir", type=Path, help="orbax checkpoints and metrics.jsonl (default runs/<config>)")
+    p.add_argument("--export", type=Path, help="HF model folder written whenever held-out loss improves")
+    for f in dataclasses.fields(TrainConfig):
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)), default=getattr(d, f.name))
+    args = p.parse_args(argv)
+    enable_compilation_cache()
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` saves like Ctrl-C
+    tc = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    meta = json.loads((args.data / "meta.json").read_text())
+    cfg = dataclasses.replace(presets[args.config], max_position_embeddings=tc.seq, eos_token_id=meta["eos_id"])
+    train(cfg, tc, load_shard(args.data / "train.npy"), load_shard(args.data / "heldout.npy"),
+          args.ckpt_dir or Path("runs") / args.config, args.export, args.tokenizer,
+          meta["heldout"]["bytes"] / meta["heldout"]["tokens"])
