@@ -12,7 +12,8 @@ _EXPORTS = {
     "load": "model", "save": "model", "Model": "model",
     "generate": "loop", "GenerateResult": "loop", "Stats": "loop",
     "Sampling": "sampling",
-    "NgramProposer": "proposers", "DraftProposer": "proposers",
+    "NgramProposer": "proposers", "DraftProposer": "proposers", "DFlashProposer": "proposers",
+    "load_dflash": "dflash",
     "Qwen3Config": "config",
 }
 

@@ -48,11 +48,45 @@ def _add_generate(sub) -> None:
     p.add_argument("--no-speculate", action="store_true", help="plain decoding")
 
 
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="speedup per proposer and k, side by side with transformers")
+    p.add_argument("--model", type=Path, default=None, help="target folder (default: checkpoints/tiny-code)")
+    p.add_argument("--draft", type=Path, default=None, help="draft model (default: checkpoints/tiny-code-draft if present)")
+    p.add_argument("--dflash", type=Path, default=None, help="DFlash drafter (default: checkpoints/tiny-code-dflash if present)")
+    p.add_argument("--quick", action="store_true", help="about two minutes: one prompt, one repetition, fewer k")
+    p.add_argument("--prompts", type=_positive, help="prompts per workload")
+    p.add_argument("--reps", type=_positive, help="timed repetitions per prompt (after one warm-up)")
+    p.add_argument("--new-tokens", type=_positive, help="tokens generated per run")
+    p.add_argument("--prompt-tokens", type=_positive, help="approximate prompt length")
+    p.add_argument("--workloads", nargs="+", choices=["edit", "complete"])
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="JSON, markdown and PNG output folder")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description="Lossless speculative decoding for Qwen3 in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_bench(sub)
     return parser
+
+
+def _bench(args) -> int:
+    from .bench import BenchConfig, run
+
+    model = args.model or default_model()
+    sibling = lambda suffix: (p if (p := model.parent / f"{model.name}-{suffix}").is_dir() else None)
+    kw = dict(model=model, draft=args.draft or sibling("draft"), dflash=args.dflash or sibling("dflash"),
+              hf=not args.no_hf, out=args.out)
+    for name in ("prompts", "reps", "new_tokens", "prompt_tokens"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    if args.workloads:
+        kw["workloads"] = tuple(args.workloads)
+    cfg = BenchConfig.quick(**kw) if args.quick else BenchConfig(**kw)
+    run(cfg, log=lambda line: print(line, flush=True))
+    print(f"wrote {cfg.out}/results.json, results.md, speedup_vs_k.png, acceptance_by_position.png")
+    return 0
 
 
 def _prompt_ids(args, tokenizer) -> list[int]:
@@ -138,6 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "bench":
+            return _bench(args)
     except (CheckpointError, ConfigError, GenerationError, ProposerError, SamplingError, UsageError) as e:
         parser.exit(2, f"specjax: error: {e}\n")
     except KeyboardInterrupt:

@@ -165,9 +165,12 @@ def generate(model: Model, ids: Sequence[int], *, max_new_tokens: int, sampling:
     out: list[int] = []
 
     t0 = time.perf_counter()
-    kv = kvlib.init(model.config, 1, capacity, model.dtype)
-    token, kv, _ = run_prefill(model, kv, ids.astype(np.int32), seed_arr, sampling)
     session = speculative.start(model, ids.astype(np.int32), capacity, seed, sampling) if speculative else None
+    taps = getattr(session, "taps", ())
+    kv = kvlib.init(model.config, 1, capacity, model.dtype)
+    token, kv, tapped = run_prefill(model, kv, ids.astype(np.int32), seed_arr, sampling, taps)
+    for features, n_valid in tapped if taps else ():
+        session.extend(features, n_valid)
 
     def emit(new: list[int]) -> bool:
         """Append committed tokens up to a stop id or max_new_tokens; True when done."""
@@ -197,10 +200,10 @@ def generate(model: Model, ids: Sequence[int], *, max_new_tokens: int, sampling:
         if n:
             jax.block_until_ready(prop.drafts)
         t2 = time.perf_counter()
-        res, count, bad, kv, _ = steps.verify(
+        res, count, bad, kv, features = steps.verify(
             model.params, model.config, kv, np.int32(history[size - 1]), prop.drafts if n else no_drafts,
             np.int32(n), seed_arr, sampling=sampling, width=steps.bucket(n + 1),
-            logq=prop.logq if n else None)
+            logq=prop.logq if n else None, taps=taps)
         res, count, bad = jax.device_get((res, count, bad))
         t3 = time.perf_counter()
         if bad:
@@ -209,6 +212,8 @@ def generate(model: Model, ids: Sequence[int], *, max_new_tokens: int, sampling:
         stats.record(n, accepted)
         done = emit([int(x) for x in res[:count]])
         if session is not None and not done:
+            if taps:
+                session.extend(features, int(count))
             session.observe(accepted, history[:size])
         t4 = time.perf_counter()
         stats.propose_s += t2 - t1

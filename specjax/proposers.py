@@ -6,6 +6,10 @@ returns a session that `generate` drives:
     session.propose(history, limit) -> Proposal   drafts for the tokens after history[-1]
     session.observe(accepted, history)             what the target kept (history updated)
 
+A session that needs target hidden states (DFlash) sets `taps` (layer ids); the loop then
+calls `session.extend(features [n, T, D], count)` with the taps of every chunk or verify
+step the target cached, of which the first `count` rows are committed tokens.
+
 `history` is a NumPy int32 array of every committed token (prompt and output); its last
 entry is the one the next verify step feeds.
 """
@@ -19,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import dflash as dflashlib
 from . import kv as kvlib
 from . import steps
 from .model import Model
@@ -154,3 +159,68 @@ class _DraftSession:
         # K/V written: the fed tokens and d_1 .. d_{k-1}; the committed ones among them are
         # the fed tokens plus the accepted drafts, except d_k (never fed).
         self.length += self.fed + min(accepted, self.spec.k - 1)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DFlashProposer:
+    """A DFlash drafter proposes k tokens in one bidirectional pass over [last, mask x (B-1)].
+
+    k defaults to the largest the drafter and the verify buckets allow, min(B - 1, 15).
+    With sample=True (and non-greedy sampling) each draft is drawn independently from its
+    own row's transformed q. Known weakness (dflash.md section 4, z-lab PR #169): rows are
+    not conditioned on each other's samples, so sampled blocks are less coherent and are
+    accepted less often than argmax drafts, which stay exact through sample-and-match.
+    """
+
+    drafter: dflashlib.Drafter
+    k: int | None = None
+    sample: bool = False
+
+    def __post_init__(self) -> None:
+        largest = min(self.drafter.cfg.block_size - 1, steps.BUCKETS[-1] - 1)
+        if self.k is None:
+            object.__setattr__(self, "k", largest)
+        _check_k(self.k, steps.BUCKETS[-1] - 1)
+        if self.k > self.drafter.cfg.block_size - 1:
+            where = f" ({self.drafter.path})" if self.drafter.path else ""
+            raise ProposerError(f"k={self.k} exceeds block_size - 1 = {self.drafter.cfg.block_size - 1} "
+                                f"of the DFlash drafter{where}")
+
+    def start(self, target: Model, prompt: np.ndarray, capacity: int, seed: int, sampling: Sampling) -> Session:
+        problems = dflashlib.fit_problems(self.drafter.cfg, target.config)
+        if problems:
+            where = f" ({self.drafter.path})" if self.drafter.path else ""
+            raise ProposerError(f"DFlash drafter{where} does not fit the target: " + "; ".join(problems))
+        return _DFlashSession(self, target, capacity, seed, sampling)
+
+
+class _DFlashSession:
+    """Context cache convention: rows for every committed token but the newest (as the target's)."""
+
+    def __init__(self, spec: DFlashProposer, target: Model, capacity: int, seed: int, sampling: Sampling):
+        d = spec.drafter
+        self.spec, self.target, self.seed, self.sampling = spec, target, jnp.uint32(seed), sampling
+        self.sample = spec.sample and not sampling.greedy
+        self.taps = d.cfg.target_layer_ids
+        self.cache = dflashlib.init_cache(d.cfg, capacity, d.dtype)
+        self.length = 0  # committed context rows (host copy of cache.length)
+
+    def extend(self, features: jax.Array, count: int) -> None:
+        """Append the first `count` rows of target taps [n, T, D] (device work, no host wait)."""
+        d = self.spec.drafter
+        positions = self.length + np.arange(features.shape[1], dtype=np.int32)
+        self.cache = dflashlib.append_context(d.params, d.cfg, self.cache, features, np.int32(count), positions)
+        self.length += count
+
+    def propose(self, history: np.ndarray, limit: int) -> Proposal:
+        if len(history) - 1 != self.length:  # cannot happen in the loop; guards a misuse of the session
+            raise ProposerError(f"DFlash context holds {self.length} rows but {len(history) - 1} tokens "
+                                "are committed before the last one; extend() was not called with every step")
+        d, k = self.spec.drafter, self.spec.k
+        drafts, logq = dflashlib.draft_tokens(
+            d.params, d.cfg, self.cache, self.target.params, self.target.config, np.int32(history[-1]),
+            np.int32(self.length), self.seed, k=k, sampling=self.sampling, sample=self.sample)
+        return Proposal(drafts, min(k, limit), logq)
+
+    def observe(self, accepted: int, history: np.ndarray) -> None:
+        """Nothing to do: the committed context arrives through extend()."""

@@ -1,0 +1,393 @@
+"""`specjax bench`: speedup of each proposer and k, side by side with transformers.
+
+Every figure is measured in one process with interleaved runs: for each prompt and
+repetition all methods run back to back, and speedups are medians of per-round ratios
+against our plain decoding in the same round (the machine is shared and noisy). Warm-up
+runs (compilation) are excluded. Decode throughput counts tokens after the first over the
+time after prefill, for us and for transformers alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .loop import generate
+from .model import Model, load
+from .proposers import DraftProposer, NgramProposer
+from .sampling import Sampling
+
+SAMPLINGS = {"greedy": Sampling(), "sampled": Sampling(temperature=0.6, top_k=20, top_p=0.95)}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    model: Path
+    draft: Path | None = None
+    dflash: Path | None = None
+    workloads: tuple[str, ...] = ("edit", "complete")
+    samplings: tuple[str, ...] = ("greedy", "sampled")
+    prompts: int = 2
+    prompt_tokens: int = 880
+    new_tokens: int = 128
+    reps: int = 3
+    ngram_ks: tuple[int, ...] = (2, 4, 7, 15)
+    draft_ks: tuple[int, ...] = (1, 2, 3, 4, 7)
+    dflash_ks: tuple[int, ...] = (4, 7, 15)
+    profile_ts: tuple[int, ...] = tuple(range(1, 17))
+    hf: bool = True
+    out: Path = Path("bench-results")
+
+    @classmethod
+    def quick(cls, **kw) -> "BenchConfig":
+        """About two minutes on two CPU cores: one prompt, one repetition, fewer k."""
+        base = dict(prompts=1, reps=1, ngram_ks=(2, 7), draft_ks=(2, 4), dflash_ks=(7, 15), new_tokens=96,
+                    profile_ts=(1, 2, 4, 8, 16))
+        base.update(kw)
+        return cls(**base)
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else {}
+
+
+def _rss_mb() -> float:
+    import psutil
+    return psutil.Process().memory_info().rss / 2**20
+
+
+# ---------------------------------------------------------------- our methods
+
+def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
+    """(method, k, proposer) rows; plain first."""
+    rows: list[tuple[str, int, Any]] = [("plain", 0, None)]
+    rows += [("ngram", k, NgramProposer(k=k)) for k in cfg.ngram_ks]
+    if cfg.draft is not None:
+        draft = load(cfg.draft, target.dtype)
+        rows += [("draft", k, DraftProposer(draft, k=k)) for k in cfg.draft_ks]
+    if cfg.dflash is not None:
+        from .dflash import load_dflash
+        from .proposers import DFlashProposer
+        drafter = load_dflash(cfg.dflash, target)
+        rows += [("dflash", k, DFlashProposer(drafter, k=k)) for k in cfg.dflash_ks]
+    return rows
+
+
+def _ours(target: Model, proposer: Any, ids: list[int], n: int, sampling: Sampling, seed: int) -> dict[str, Any]:
+    res = generate(target, ids, max_new_tokens=n, sampling=sampling, seed=seed, speculative=proposer)
+    s = res.stats
+    return {"tokens": res.tokens, "tok_s": s.tokens_per_s, "decode_s": s.decode_s, "stats": s.summary()}
+
+
+# ---------------------------------------------------------------- transformers
+
+class _FirstStep:
+    """A StoppingCriteria that records when generation got past prefill (and at what length)."""
+
+    def __init__(self):
+        self.t, self.length = None, None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+        if self.t is None:
+            self.t, self.length = time.perf_counter(), input_ids.shape[1]
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def _hf_runner(cfg: BenchConfig) -> Callable | None:
+    if not cfg.hf:
+        return None
+    import torch
+    from transformers import AutoModelForCausalLM, StoppingCriteriaList
+
+    torch.set_grad_enabled(False)
+    ref = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(cfg.draft, dtype=torch.float32).eval() if cfg.draft else None
+
+    def run(method: str, ids: list[int], n: int, sampling: Sampling, seed: int) -> dict[str, Any]:
+        torch.manual_seed(seed)
+        x = torch.tensor([ids])
+        kw: dict[str, Any] = dict(max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0,
+                                  attention_mask=torch.ones_like(x))
+        if sampling.greedy:
+            kw.update(do_sample=False)
+        else:
+            kw.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None,
+                      top_p=sampling.top_p)
+        if method == "hf-lookup":
+            kw["prompt_lookup_num_tokens"] = 10
+        elif method == "hf-assisted":
+            kw["assistant_model"] = assistant
+        first = _FirstStep()
+        t0 = time.perf_counter()
+        out = ref.generate(x, stopping_criteria=StoppingCriteriaList([first]), **kw)
+        t1 = time.perf_counter()
+        new = out.shape[1] - len(ids)
+        decoded = out.shape[1] - first.length
+        return {"tokens": out[0, len(ids):].tolist(), "tok_s": decoded / (t1 - first.t) if decoded else 0.0,
+                "decode_s": t1 - first.t, "stats": {"new_tokens": new, "total_s": t1 - t0}}
+
+    run.methods = ["hf-plain", "hf-lookup"] + (["hf-assisted"] if assistant is not None else [])
+    return run
+
+
+# ---------------------------------------------------------------- step-cost profile
+
+def measure_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
+    """Memory bandwidth in GB/s from a large copy (bytes read + written), median of reps."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    return 2 * nbytes / statistics.median(times[1:]) / 1e9
+
+
+def step_profile(model: Model, ts: tuple[int, ...], context: int = 512, rounds: int = 7) -> dict[str, Any]:
+    """Verify-step time for each T (round-robin, median of per-round ratios to T=1) and the
+    T=1 step against the weight-bytes / bandwidth floor."""
+    import jax
+    import jax.numpy as jnp
+    from . import kv as kvlib
+    from . import steps
+    from .loop import run_prefill
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, model.config.vocab_size, context).astype(np.int32)
+    cap = 1024 if context + 32 <= 1024 - 128 else 2 * (context + 160)
+    kv = kvlib.init(model.config, 1, cap, model.dtype)
+    _, kv, _ = run_prefill(model, kv, ids, jnp.uint32(0), Sampling())
+    drafts = rng.integers(0, model.config.vocab_size, 16).astype(np.int32)
+
+    def once(t: int) -> float:
+        nonlocal kv
+        start = time.perf_counter()
+        out, count, _, kv, _ = steps.verify(model.params, model.config, kv, np.int32(1), drafts[:t - 1],
+                                           np.int32(t - 1), jnp.uint32(0), sampling=Sampling(), width=t)
+        jax.block_until_ready(out)
+        elapsed = time.perf_counter() - start
+        kv = kvlib.truncate(kv, jnp.array([context]))
+        return elapsed
+
+    for t in ts:  # compile
+        once(t)
+        once(t)
+    times: dict[int, list[float]] = {t: [] for t in ts}
+    for _ in range(rounds):
+        for t in ts:
+            times[t].append(once(t))
+    base = times[ts[0]]
+    ratios = {t: statistics.median([a / b for a, b in zip(times[t], base)]) for t in ts}
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    bw = measure_bandwidth()
+    floor_s = weight_bytes / (bw * 1e9)
+    t1 = statistics.median(base)
+    return {"context": context, "ms": {t: _spread([x * 1e3 for x in v]) for t, v in times.items()},
+            "ratio_to_T1": ratios, "weight_bytes": weight_bytes, "bandwidth_GBps": bw,
+            "floor_ms": floor_s * 1e3, "decode_ms": t1 * 1e3, "decode_over_floor": t1 / floor_s}
+
+
+# ---------------------------------------------------------------- the run
+
+def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the benchmark; returns (and writes) the results."""
+    from train.prompts import workload
+
+    target = load(cfg.model)
+    methods = _methods(cfg, target)
+    hf = _hf_runner(cfg)
+    hf_methods = hf.methods if hf else []
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(), "config": _jsonable(dataclasses.asdict(cfg)),
+        "cells": [],
+    }
+    for kind in cfg.workloads:
+        prompts = workload(target.tokenizer, kind, cfg.prompts, cfg.prompt_tokens)
+        for sname in cfg.samplings:
+            sampling = SAMPLINGS[sname]
+            log(f"[{kind} / {sname}] {len(prompts)} prompt(s) of ~{cfg.prompt_tokens} tokens, {cfg.new_tokens} new")
+            runs: dict[str, list[dict]] = {}
+            for pi, prompt in enumerate(prompts):
+                for rep in range(cfg.reps + 1):  # rep 0 is the warm-up
+                    seed = 1000 * pi + rep
+                    for name, k, prop in methods:
+                        r = _ours(target, prop, prompt.ids, cfg.new_tokens, sampling, seed)
+                        r["rss_mb"] = _rss_mb()
+                        if rep:
+                            runs.setdefault(f"{name}:{k}", []).append(r)
+                    for name in hf_methods:
+                        r = hf(name, prompt.ids, cfg.new_tokens, sampling, seed)
+                        if rep:
+                            runs.setdefault(f"{name}:0", []).append(r)
+            cell = _summarise(kind, sname, runs)
+            results["cells"].append(cell)
+            log(_cell_line(cell))
+    results["profile"] = step_profile(target, cfg.profile_ts)
+    log(f"step profile: decode {results['profile']['decode_ms']:.2f} ms = "
+        f"{results['profile']['decode_over_floor']:.2f}x the floor; ratios "
+        + ", ".join(f"T={t}: {r:.2f}" for t, r in results["profile"]["ratio_to_T1"].items()))
+    write(results, cfg.out)
+    return results
+
+
+def _summarise(kind: str, sname: str, runs: dict[str, list[dict]]) -> dict[str, Any]:
+    """Per method: tok/s spread, paired speedup vs our plain, and the speculative stats."""
+    plain = runs["plain:0"]
+    rows = {}
+    for key, rs in runs.items():
+        name, k = key.split(":")
+        speed = [p["decode_s"] / r["decode_s"] for p, r in zip(plain, rs) if r["decode_s"] > 0]
+        row = {"method": name, "k": int(k), "tok_s": _spread([r["tok_s"] for r in rs]), "speedup": _spread(speed),
+               "rss_mb": max(r.get("rss_mb", 0.0) for r in rs)}
+        if not name.startswith("hf-") and name != "plain":
+            stats = [r["stats"] for r in rs]
+            row.update(
+                tokens_per_step=statistics.median(s["tokens_per_step"] for s in stats),
+                accept_hist=_sum_lists([s["accept_hist"] for s in stats]),
+                acceptance_by_position=_ratio_lists([s["accepted_at"] for s in stats], [s["reached"] for s in stats]),
+                verify_tokens_per_token=statistics.median(s["verify_tokens_per_token"] for s in stats),
+                time_split={part: statistics.median(s[part] / s["decode_s"] for s in stats if s["decode_s"])
+                            for part in ("propose_s", "verify_s", "host_s")})
+        row["same_tokens_as_plain"] = all(r["tokens"] == p["tokens"] for p, r in zip(plain, rs))
+        rows[key] = row
+    best = {}
+    for method in {r["method"] for r in rows.values()}:
+        cands = [r for r in rows.values() if r["method"] == method]
+        best[method] = max(cands, key=lambda r: r["speedup"].get("median", 0.0))["k"]
+    ours_plain = rows["plain:0"]["tok_s"]["median"]
+    hf_ratio = {r["method"]: ours_plain / r["tok_s"]["median"] for r in rows.values()
+                if r["method"].startswith("hf-") and r["tok_s"]["median"]}
+    return {"workload": kind, "sampling": sname, "rows": rows, "best_k": best,
+            "our_plain_over_hf": hf_ratio}
+
+
+def _sum_lists(lists: list[list[int]]) -> list[int]:
+    n = max((len(x) for x in lists), default=0)
+    return [sum(x[i] for x in lists if i < len(x)) for i in range(n)]
+
+
+def _ratio_lists(num: list[list[int]], den: list[list[int]]) -> list[float]:
+    a, b = _sum_lists(num), _sum_lists(den)
+    return [x / y if y else 0.0 for x, y in zip(a, b)]
+
+
+def _cell_line(cell: dict[str, Any]) -> str:
+    parts = []
+    for method, k in sorted(cell["best_k"].items()):
+        row = cell["rows"][f"{method}:{k}"]
+        parts.append(f"{method}{'@' + str(k) if k else ''} {row['tok_s']['median']:.0f} tok/s "
+                     f"({row['speedup']['median']:.2f}x)")
+    return "  " + "; ".join(parts)
+
+
+def _machine() -> dict[str, Any]:
+    import os
+    import jax
+    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+            "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version()}
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=str))
+
+
+# ---------------------------------------------------------------- outputs
+
+def markdown(results: dict[str, Any]) -> str:
+    """The results table: speedup at the best k of each method, per workload and sampling."""
+    methods = [m for m in ("ngram", "draft", "dflash") if any(m in c["best_k"] for c in results["cells"])]
+    head = ["workload", "sampling", "plain tok/s"] + [f"{m} (best k)" for m in methods]
+    if "dflash" in methods:
+        head.append("dflash tokens/step")
+    head += ["ours / HF plain", "HF lookup", "HF assisted"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in results["cells"]:
+        rows = c["rows"]
+        cols = [c["workload"], c["sampling"], f"{rows['plain:0']['tok_s']['median']:.0f}"]
+        for m in methods:
+            k = c["best_k"].get(m)
+            cols.append(f"{rows[f'{m}:{k}']['speedup']['median']:.2f}x (k={k})" if k is not None else "–")
+        if "dflash" in methods:
+            k = c["best_k"].get("dflash")
+            cols.append(f"{rows[f'dflash:{k}']['tokens_per_step']:.2f}" if k is not None else "–")
+        for hf in ("hf-plain", "hf-lookup", "hf-assisted"):
+            key = f"{hf}:0"
+            if key not in rows:
+                cols.append("–")
+            elif hf == "hf-plain":
+                cols.append(f"{c['our_plain_over_hf'][hf]:.2f}x")
+            else:
+                cols.append(f"{rows[key]['speedup']['median']:.2f}x")
+        lines.append("| " + " | ".join(cols) + " |")
+    m = results["machine"]
+    lines.append("")
+    lines.append(f"Speedups are medians of per-round ratios against our plain decoding; HF columns are "
+                 f"transformers on the same checkpoint and prompts, also relative to our plain decoding. "
+                 f"{results['date']}, {m['cpus']} CPUs, {m['backend']}, jax {m['jax']}.")
+    p = results.get("profile")
+    if p:
+        lines.append("")
+        lines.append(f"Verify step t(T)/t(1) at context {p['context']}: "
+                     + ", ".join(f"T={t}: {r:.2f}" for t, r in p["ratio_to_T1"].items())
+                     + f". Decode step {p['decode_ms']:.2f} ms vs floor {p['floor_ms']:.2f} ms "
+                     f"({p['weight_bytes'] / 1e6:.0f} MB of weights at {p['bandwidth_GBps']:.1f} GB/s): "
+                     f"{p['decode_over_floor']:.2f}x the floor.")
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict[str, Any], out: Path) -> list[Path]:
+    """speedup_vs_k.png and acceptance_by_position.png."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = results["cells"]
+    fig, axes = plt.subplots(1, len(cells), figsize=(4 * len(cells), 3.2), squeeze=False)
+    for ax, c in zip(axes[0], cells):
+        for method in ("ngram", "draft", "dflash"):
+            pts = sorted((r["k"], r["speedup"]["median"]) for r in c["rows"].values() if r["method"] == method)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=method)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_title(f"{c['workload']} / {c['sampling']}", fontsize=9)
+        ax.set_xlabel("k")
+    axes[0][0].set_ylabel("speedup vs plain")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    paths = [out / "speedup_vs_k.png"]
+    fig.savefig(paths[0], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(cells), figsize=(4 * len(cells), 3.2), squeeze=False)
+    for ax, c in zip(axes[0], cells):
+        for method in ("ngram", "draft", "dflash"):
+            k = c["best_k"].get(method)
+            if k:
+                acc = c["rows"][f"{method}:{k}"]["acceptance_by_position"]
+                ax.plot(range(1, len(acc) + 1), acc, marker=".", label=f"{method} k={k}")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{c['workload']} / {c['sampling']}", fontsize=9)
+        ax.set_xlabel("draft position")
+    axes[0][0].set_ylabel("P(accept | reached)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "acceptance_by_position.png")
+    fig.savefig(paths[1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def write(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(_jsonable(results), indent=1))
+    (out / "results.md").write_text(markdown(results))
+    plots(results, out)

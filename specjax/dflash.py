@@ -1,0 +1,373 @@
+"""DFlash drafter (block diffusion, z-lab's public checkpoint format; reference/dflash.md).
+
+A drafter is a few Qwen3 layers with no embedding or head of its own. It reads the
+target's residual stream at `target_layer_ids`, projects each committed position to one
+context row c = hidden_norm(fc(concat features)) and, in one bidirectional pass over the
+block [last, mask x (B-1)], predicts the B-1 tokens after `last`. Block tokens are
+embedded with the target's table and drafts are scored with the target's head.
+
+Runtime parameter tree (the checkpoint mapping of checkpoint.py, prefix `layers.`):
+
+    HF name                          runtime key
+    fc.weight          [D, n*D]      same (n = len(target_layer_ids))
+    hidden_norm.weight [D]           same
+    norm.weight        [D]           same
+    layers.{i}.<name>                params["layers"][<name>] stacked [L, ...], q/k/v and
+                                     gate/up fused exactly as for the target
+
+Context cache: per drafter layer the K (k_norm + RoPE at the row's absolute position)
+and V of every committed context row, slot = absolute position. Block rows are never
+kept, so drafting only reads the cache; appending writes rows and grows `length` by the
+committed count (rows past it are overwritten by the next append, as in kv.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from . import checkpoint
+from . import sampling as smp
+from .checkpoint import LAYERS, CheckpointError, Params
+from .config import ConfigError, Qwen3Config
+from .model import Model
+from .qwen3 import attend, linear, rms_norm, rope, unembed
+from .sampling import Sampling
+
+ARCHITECTURE = "DFlashDraftModel"
+DRAFT_LAYERS = "layers"
+_HIDDEN = np.iinfo(np.int32).max  # key position no query reaches: masks stale context slots
+# Newer-code options (dflash.md 1.2) whose non-default values we do not run.
+_DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": 0.0,
+             "is_causal": False}
+
+
+class DFlashError(CheckpointError):
+    """A DFlash drafter that does not fit its target (or is not a DFlash v1 checkpoint)."""
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """z-lab's `build_target_layer_ids`: spread from layer 1 to layer L-3 (dflash.md 1.5)."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    """Static drafter architecture; hashable so it can key compiled functions."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        self.layer_config  # validates the shared Qwen3 geometry
+        if not self.target_layer_ids:
+            raise ConfigError("DFlash config: target_layer_ids must not be empty")
+        if self.block_size < 2:
+            raise ConfigError(f"DFlash config: block_size must be >= 2, got {self.block_size}")
+
+    @property
+    def layer_config(self) -> Qwen3Config:
+        """The drafter layers as a Qwen3 config (for shapes and the checkpoint mapping)."""
+        return Qwen3Config(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, max_position_embeddings=self.max_position_embeddings)
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> "DFlashConfig":
+        """Parse a public DFlash config.json dict; `source` names the file in errors."""
+        if raw.get("architectures") != [ARCHITECTURE]:
+            raise ConfigError(f"{source}: architectures must be {[ARCHITECTURE]} (DFlash v1), "
+                              f"got {raw.get('architectures')!r}")
+        base = Qwen3Config.from_hf(raw, source)
+        extra = raw.get("dflash_config") or {}
+
+        def get(key: str, default: Any = None) -> Any:
+            return extra.get(key, raw.get(key, default))
+
+        for key, default in _DEFAULTS.items():
+            if get(key, default) not in (default, None):
+                raise ConfigError(f"{source}: {key}={get(key)!r} is not supported (only {default!r})")
+        kinds = set(raw.get("layer_types") or ["full_attention"])
+        if kinds != {"full_attention"}:
+            raise ConfigError(f"{source}: layer_types {sorted(kinds)} are not supported (only full_attention)")
+        if "num_target_layers" not in raw:
+            raise ConfigError(f"{source}: missing required field num_target_layers")
+        mask = get("mask_token_id")
+        if mask is None:
+            raise ConfigError(f"{source}: missing dflash_config.mask_token_id")
+        ids = get("target_layer_ids") or default_target_layer_ids(raw["num_target_layers"], base.num_hidden_layers)
+        return cls(
+            vocab_size=base.vocab_size, hidden_size=base.hidden_size, intermediate_size=base.intermediate_size,
+            num_hidden_layers=base.num_hidden_layers, num_attention_heads=base.num_attention_heads,
+            num_key_value_heads=base.num_key_value_heads, head_dim=base.head_dim,
+            target_layer_ids=tuple(ids), num_target_layers=int(raw["num_target_layers"]),
+            mask_token_id=int(mask), block_size=int(get("block_size", 16)), rms_norm_eps=base.rms_norm_eps,
+            rope_theta=base.rope_theta, max_position_embeddings=base.max_position_embeddings)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "DFlashConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config file not found")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_hf(raw, str(path))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The public config.json dict (z-lab's keys; loads back with from_hf)."""
+        out = self.layer_config.to_hf()
+        out.update(
+            architectures=[ARCHITECTURE],
+            block_size=self.block_size,
+            num_target_layers=self.num_target_layers,
+            dflash_config={"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            layer_types=["full_attention"] * self.num_hidden_layers,
+        )
+        return out
+
+
+def fit_problems(cfg: DFlashConfig, target: Qwen3Config) -> list[str]:
+    """Why a drafter cannot serve `target` (empty when it fits)."""
+    problems = []
+    if cfg.hidden_size != target.hidden_size:
+        problems.append(f"hidden_size {cfg.hidden_size} != target hidden_size {target.hidden_size}")
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {cfg.vocab_size} != target vocab_size {target.vocab_size}")
+    if cfg.num_target_layers != target.num_hidden_layers:
+        problems.append(f"num_target_layers {cfg.num_target_layers} != target num_hidden_layers "
+                        f"{target.num_hidden_layers}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        problems.append(f"target_layer_ids {list(cfg.target_layer_ids)}: {bad} outside the target's layers "
+                        f"[0, {target.num_hidden_layers})")
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id {cfg.mask_token_id} outside the target vocabulary [0, {target.vocab_size})")
+    return problems
+
+
+def check_fits(cfg: DFlashConfig, target: Qwen3Config, source: str) -> None:
+    """Raise DFlashError naming `source` and every mismatch with the target."""
+    problems = fit_problems(cfg, target)
+    if problems:
+        raise DFlashError(f"{source}: drafter does not fit the target: " + "; ".join(problems))
+
+
+@dataclasses.dataclass(eq=False)
+class Drafter:
+    """A loaded (or initialised) DFlash drafter; pair it with its target in DFlashProposer."""
+
+    params: Params
+    cfg: DFlashConfig
+    dtype: Any
+    path: Path | None = None
+
+
+def hf_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the public checkpoint with its shape (dflash.md 1.3)."""
+    prefix = "model."
+    shapes = {name[len(prefix):]: shape for name, shape in checkpoint.hf_shapes(cfg.layer_config).items()
+              if name.startswith(LAYERS + ".")}
+    d = cfg.hidden_size
+    shapes.update({"fc.weight": (d, len(cfg.target_layer_ids) * d), "hidden_norm.weight": (d,), "norm.weight": (d,)})
+    return shapes
+
+
+def from_hf(tensors: dict[str, Any], cfg: DFlashConfig) -> Params:
+    """Checkpoint names -> runtime tree, through the target's mapping (checkpoint.from_hf)."""
+    named = {("model." + n if n.startswith(DRAFT_LAYERS + ".") else n): v for n, v in tensors.items()}
+    params = checkpoint.from_hf(named, cfg.layer_config)
+    params[DRAFT_LAYERS] = params.pop(LAYERS)
+    return params
+
+
+def to_hf(params: Params, cfg: DFlashConfig) -> dict[str, Any]:
+    """Runtime tree -> checkpoint names (inverse of `from_hf`)."""
+    tree = {(LAYERS if k == DRAFT_LAYERS else k): v for k, v in params.items()}
+    return {n.removeprefix("model."): v for n, v in checkpoint.to_hf(tree, cfg.layer_config).items()}
+
+
+def init(target_cfg: Qwen3Config, key: jax.Array, num_layers: int = 5, block_size: int = 16,
+         target_layer_ids: tuple[int, ...] | None = None, mask_token_id: int | None = None,
+         dtype: Any = jnp.float32, std: float = 0.02) -> Drafter:
+    """A random drafter for `target_cfg` (its geometry, `num_layers` layers).
+
+    target_layer_ids default to z-lab's even spread; mask_token_id defaults to the last
+    vocabulary row (for Qwen3 a padded row, like the published 151669).
+    """
+    ids = (default_target_layer_ids(target_cfg.num_hidden_layers, num_layers) if target_layer_ids is None
+           else target_layer_ids)
+    cfg = DFlashConfig(
+        vocab_size=target_cfg.vocab_size, hidden_size=target_cfg.hidden_size,
+        intermediate_size=target_cfg.intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=target_cfg.num_attention_heads, num_key_value_heads=target_cfg.num_key_value_heads,
+        head_dim=target_cfg.head_dim, target_layer_ids=tuple(ids), num_target_layers=target_cfg.num_hidden_layers,
+        mask_token_id=target_cfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        block_size=block_size, rms_norm_eps=target_cfg.rms_norm_eps, rope_theta=target_cfg.rope_theta,
+        max_position_embeddings=target_cfg.max_position_embeddings)
+    check_fits(cfg, target_cfg, "dflash.init")
+    k_layers, k_fc = jax.random.split(key)
+    # the target's initialiser on a one-row vocabulary gives the layers in runtime layout
+    layers = checkpoint.init_params(dataclasses.replace(cfg.layer_config, vocab_size=1), k_layers, dtype, std)[LAYERS]
+    d = cfg.hidden_size
+    params = {
+        "fc.weight": (std * jax.random.normal(k_fc, (d, len(ids) * d), jnp.float32)).astype(dtype),
+        "hidden_norm.weight": jnp.ones((d,), dtype),
+        "norm.weight": jnp.ones((d,), dtype),
+        DRAFT_LAYERS: layers,
+    }
+    return Drafter(params, cfg, jnp.dtype(dtype))
+
+
+def load_dflash(path: str | Path, target: Model, dtype: Any = None) -> Drafter:
+    """Load a public DFlash drafter folder for `target` (a Model); dtype defaults to the target's."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a directory")
+    cfg = DFlashConfig.from_file(folder / "config.json")
+    check_fits(cfg, target.config, str(folder / "config.json"))
+    dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(target.dtype)
+    params = from_hf(checkpoint.read_tensors(folder, hf_shapes(cfg), dtype), cfg)
+    return Drafter(params, cfg, dtype, folder)
+
+
+def save_dflash(path: str | Path, drafter: Drafter, dtype: str = "bfloat16") -> None:
+    """Write config.json and model.safetensors in the public format."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    raw = drafter.cfg.to_hf()
+    raw["torch_dtype"] = dtype
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    checkpoint.write_tensors(folder, to_hf(drafter.params, drafter.cfg), dtype)
+
+
+# ---------------------------------------------------------------------------- forward
+
+@struct.dataclass
+class ContextCache:
+    k: jax.Array       # [L, K, S, E] context keys (k_norm + RoPE), slot = absolute position
+    v: jax.Array       # [L, K, S, E] context values
+    length: jax.Array  # [] int32: committed context rows (positions 0 .. length-1)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(cfg: DFlashConfig, capacity: int, dtype: Any = jnp.float32) -> ContextCache:
+    """An empty context cache of `capacity` positions."""
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, capacity, cfg.head_dim)
+    return ContextCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+
+
+def _split_qkv(cfg: DFlashConfig, qkv: jax.Array) -> list[jax.Array]:
+    nh, nk, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    return jnp.split(qkv, [nh * hd, (nh + nk) * hd], axis=-1)
+
+
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def append_context(params: Params, cfg: DFlashConfig, cache: ContextCache, features: jax.Array,
+                   count: jax.Array, positions: jax.Array) -> ContextCache:
+    """Write context rows for target features [n, T, D] at absolute `positions` [T].
+
+    Every row's K/V is written (stale rows past the committed ones are overwritten by the
+    next append, which starts at length + count); the length grows by `count`.
+    """
+    n, t, d = features.shape
+    lp = params[DRAFT_LAYERS]
+    dtype = params["fc.weight"].dtype
+    x = features.astype(dtype).transpose(1, 0, 2).reshape(t, n * d)  # [T, n*D] in target_layer_ids order
+    c = rms_norm(linear(x, params["fc.weight"]), params["hidden_norm.weight"], cfg.rms_norm_eps)  # [T, D]
+    # c feeds every layer's k/v projection directly (no input_layernorm on the context)
+    qkv = jax.vmap(linear, in_axes=(None, 0))(c, lp["self_attn.qkv_proj.weight"])  # [L, T, (H+2K)*E]
+    _, k, v = _split_qkv(cfg, qkv)
+    shape = (cfg.num_hidden_layers, t, cfg.num_key_value_heads, cfg.head_dim)
+    k = rms_norm(k.reshape(shape), lp["self_attn.k_norm.weight"][:, None, None], cfg.rms_norm_eps)
+    k = rope(k, jnp.broadcast_to(positions, shape[:2]), cfg.rope_theta)  # [L, T, K, E]
+    v = v.reshape(shape)
+    return cache.replace(
+        k=cache.k.at[:, :, positions].set(k.transpose(0, 2, 1, 3).astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[:, :, positions].set(v.transpose(0, 2, 1, 3).astype(cache.v.dtype), mode="drop"),
+        length=cache.length + count.astype(jnp.int32))
+
+
+@partial(jax.jit, static_argnames=("cfg", "target_cfg", "k"))
+def draft_block(params: Params, cfg: DFlashConfig, cache: ContextCache, target_params: Params,
+                target_cfg: Qwen3Config, last_token: jax.Array, start: jax.Array, k: int) -> jax.Array:
+    """Draft logits [k, V] (float32) for the k tokens after `last_token` (at position `start`).
+
+    One pass over the block [last, mask x (B-1)] at positions start .. start+B-1: every block
+    row sees every context row before `start` and every block row (no mask). Row j predicts
+    the token at start + j; row 0 is discarded. The cache is only read.
+    """
+    b, nh, nk, hd = cfg.block_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    eps = cfg.rms_norm_eps
+    dtype = params["fc.weight"].dtype
+    tokens = jnp.full((b,), cfg.mask_token_id, jnp.int32).at[0].set(last_token)
+    x = target_params["model.embed_tokens.weight"][tokens].astype(dtype)  # [B, D]
+    q_pos = (start + jnp.arange(b, dtype=jnp.int32))[None]  # [1, B]
+    # attend() shows key j to query i iff k_pos[j] <= q_pos[i]: context slots before start keep
+    # their position, later (stale) slots are pushed out of reach, block keys sit at start.
+    slots = jnp.arange(cache.capacity, dtype=jnp.int32)
+    k_pos = jnp.concatenate([jnp.where(slots < start, slots, _HIDDEN), jnp.full((b,), start, jnp.int32)])[None]
+
+    def layer(x, xs):
+        lp, ctx_k, ctx_v = xs  # ctx [K, S, E]
+        h = rms_norm(x, lp["input_layernorm.weight"], eps)
+        q, bk, bv = _split_qkv(cfg, linear(h, lp["self_attn.qkv_proj.weight"]))
+        q = rope(rms_norm(q.reshape(1, b, nh, hd), lp["self_attn.q_norm.weight"], eps), q_pos, cfg.rope_theta)
+        bk = rope(rms_norm(bk.reshape(1, b, nk, hd), lp["self_attn.k_norm.weight"], eps), q_pos, cfg.rope_theta)
+        keys = jnp.concatenate([ctx_k[None].astype(dtype), bk.transpose(0, 2, 1, 3)], axis=2)  # [1, K, S+B, E]
+        values = jnp.concatenate([ctx_v[None].astype(dtype), bv.reshape(1, b, nk, hd).transpose(0, 2, 1, 3)], axis=2)
+        x = x + linear(attend(q, keys, values, q_pos, k_pos)[0], lp["self_attn.o_proj.weight"])
+        h = rms_norm(x, lp["post_attention_layernorm.weight"], eps)
+        gate, up = jnp.split(linear(h, lp["mlp.gate_up_proj.weight"]), 2, axis=-1)
+        return x + linear(jax.nn.silu(gate) * up, lp["mlp.down_proj.weight"]), None
+
+    x, _ = jax.lax.scan(layer, x, (params[DRAFT_LAYERS], cache.k, cache.v))
+    h = rms_norm(x[1:k + 1], params["norm.weight"], eps)  # [k, D]
+    return unembed(target_params, target_cfg, h.astype(target_params["model.embed_tokens.weight"].dtype))
+
+
+@partial(jax.jit, static_argnames=("cfg", "target_cfg", "k", "sampling", "sample"))
+def draft_tokens(params: Params, cfg: DFlashConfig, cache: ContextCache, target_params: Params,
+                 target_cfg: Qwen3Config, last_token: jax.Array, start: jax.Array, seed: jax.Array,
+                 k: int, sampling: Sampling, sample: bool) -> tuple[jax.Array, jax.Array | None]:
+    """k drafts after `last_token`: argmax per block row, or (sample) one independent draw per
+    row from its transformed q with the DRAFT stream at the token's absolute position.
+
+    Returns (drafts [k] int32, logq [k, V] when sampling else None).
+    """
+    logits = draft_block(params, cfg, cache, target_params, target_cfg, last_token, start, k)
+    if not sample:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    logq = smp.transform(logits, sampling)
+    keys = jax.vmap(lambda p: smp.position_key(seed, smp.DRAFT, p))(start + 1 + jnp.arange(k))
+    return jax.vmap(smp.sample)(logq, keys), logq
