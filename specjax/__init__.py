@@ -15,6 +15,7 @@ _EXPORTS = {
     "NgramProposer": "proposers", "DraftProposer": "proposers", "DFlashProposer": "proposers",
     "load_dflash": "dflash",
     "Qwen3Config": "config",
+    "Adaptive": "adaptive",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .adaptive import Adaptive
 from .loop import generate
 from .model import Model, load
 from .proposers import DraftProposer, NgramProposer
@@ -69,14 +70,18 @@ def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
     """(method, k, proposer) rows; plain first."""
     rows: list[tuple[str, int, Any]] = [("plain", 0, None)]
     rows += [("ngram", k, NgramProposer(k=k)) for k in cfg.ngram_ks]
+    pool = [NgramProposer(k=max(cfg.ngram_ks))]
     if cfg.draft is not None:
         draft = load(cfg.draft, target.dtype)
         rows += [("draft", k, DraftProposer(draft, k=k)) for k in cfg.draft_ks]
+        pool.append(DraftProposer(draft, k=max(cfg.draft_ks)))
     if cfg.dflash is not None:
         from .dflash import load_dflash
         from .proposers import DFlashProposer
         drafter = load_dflash(cfg.dflash, target)
         rows += [("dflash", k, DFlashProposer(drafter, k=k)) for k in cfg.dflash_ks]
+        pool.append(DFlashProposer(drafter, k=max(cfg.dflash_ks)))
+    rows.append(("adaptive", 0, Adaptive(*pool)))
     return rows
 
 
@@ -304,8 +309,8 @@ def _jsonable(x: Any) -> Any:
 
 def markdown(results: dict[str, Any]) -> str:
     """The results table: speedup at the best k of each method, per workload and sampling."""
-    methods = [m for m in ("ngram", "draft", "dflash") if any(m in c["best_k"] for c in results["cells"])]
-    head = ["workload", "sampling", "plain tok/s"] + [f"{m} (best k)" for m in methods]
+    methods = [m for m in ("ngram", "draft", "dflash", "adaptive") if any(m in c["best_k"] for c in results["cells"])]
+    head = ["workload", "sampling", "plain tok/s"] + [m if m == "adaptive" else f"{m} (best k)" for m in methods]
     if "dflash" in methods:
         head.append("dflash tokens/step")
     head += ["ours / HF plain", "HF lookup", "HF assisted"]
@@ -315,7 +320,8 @@ def markdown(results: dict[str, Any]) -> str:
         cols = [c["workload"], c["sampling"], f"{rows['plain:0']['tok_s']['median']:.0f}"]
         for m in methods:
             k = c["best_k"].get(m)
-            cols.append(f"{rows[f'{m}:{k}']['speedup']['median']:.2f}x (k={k})" if k is not None else "–")
+            label = "" if m == "adaptive" else f" (k={k})"
+            cols.append(f"{rows[f'{m}:{k}']['speedup']['median']:.2f}x{label}" if k is not None else "–")
         if "dflash" in methods:
             k = c["best_k"].get("dflash")
             cols.append(f"{rows[f'dflash:{k}']['tokens_per_step']:.2f}" if k is not None else "–")

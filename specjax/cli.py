@@ -27,6 +27,10 @@ def _positive(text: str) -> int:
     return value
 
 
+def _k_or_auto(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive(text)
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text, streaming it as it is produced")
     p.add_argument("--model", type=Path, default=None, help="HF Qwen3 folder (default: checkpoints/tiny-code)")
@@ -41,9 +45,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     spec = p.add_argument_group("speculative decoding")
-    spec.add_argument("--speculate", type=_positive, metavar="K", help="n-gram (prompt lookup) drafts of up to K tokens")
+    spec.add_argument("--speculate", type=_k_or_auto, metavar="K|auto",
+                      help="n-gram (prompt lookup) drafts of up to K tokens; auto: adaptive k")
     spec.add_argument("--draft", type=Path, metavar="DIR", help="draft model folder (same vocabulary)")
-    spec.add_argument("--draft-k", type=_positive, default=4, metavar="K", help="draft model tokens per step")
+    spec.add_argument("--draft-k", type=_k_or_auto, default=4, metavar="K|auto",
+                      help="draft model tokens per step; auto: adaptive k")
     spec.add_argument("--sample-drafts", action="store_true", help="sample draft tokens (general acceptance rule)")
     p.add_argument("--no-speculate", action="store_true", help="plain decoding")
 
@@ -107,16 +113,24 @@ def _prompt_ids(args, tokenizer) -> list[int]:
 
 
 def _proposer(args, target):
-    from .proposers import DraftProposer, NgramProposer
+    """The proposer the flags ask for; several, or any k of `auto`, make an Adaptive one."""
+    from .adaptive import Adaptive
     from .model import load
+    from .proposers import DraftProposer, NgramProposer
 
     if args.no_speculate:
         return None
-    if args.draft is not None:
-        return DraftProposer(load(args.draft, target.dtype), k=args.draft_k, sample=args.sample_drafts)
+    chosen = []
     if args.speculate is not None:
-        return NgramProposer(k=args.speculate)
-    return None
+        chosen.append((NgramProposer(k=15 if args.speculate == "auto" else args.speculate), args.speculate))
+    if args.draft is not None:
+        k = 7 if args.draft_k == "auto" else args.draft_k
+        chosen.append((DraftProposer(load(args.draft, target.dtype), k=k, sample=args.sample_drafts), args.draft_k))
+    if not chosen:
+        return None
+    if len(chosen) > 1 or chosen[0][1] == "auto":
+        return Adaptive(*(p for p, _ in chosen))
+    return chosen[0][0]
 
 
 class _Streamer:

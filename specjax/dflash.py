@@ -356,17 +356,17 @@ def draft_block(params: Params, cfg: DFlashConfig, cache: ContextCache, target_p
     return unembed(target_params, target_cfg, h.astype(target_params["model.embed_tokens.weight"].dtype))
 
 
-@partial(jax.jit, static_argnames=("cfg", "target_cfg", "k", "sampling", "sample"))
+@partial(jax.jit, static_argnames=("cfg", "target_cfg", "k", "sampling"))
 def draft_tokens(params: Params, cfg: DFlashConfig, cache: ContextCache, target_params: Params,
                  target_cfg: Qwen3Config, last_token: jax.Array, start: jax.Array, seed: jax.Array,
-                 k: int, sampling: Sampling, sample: bool) -> tuple[jax.Array, jax.Array | None]:
-    """k drafts after `last_token`: argmax per block row, or (sample) one independent draw per
-    row from its transformed q with the DRAFT stream at the token's absolute position.
+                 k: int, sampling: Sampling | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """k drafts after `last_token`: argmax per block row (sampling None), or one independent
+    draw per row from its transformed q with the DRAFT stream at the token's absolute position.
 
     Returns (drafts [k] int32, logq [k, V] when sampling else None).
     """
     logits = draft_block(params, cfg, cache, target_params, target_cfg, last_token, start, k)
-    if not sample:
+    if sampling is None:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     logq = smp.transform(logits, sampling)
     keys = jax.vmap(lambda p: smp.position_key(seed, smp.DRAFT, p))(start + 1 + jnp.arange(k))

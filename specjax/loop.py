@@ -36,7 +36,8 @@ class Stats:
     accept_hist: list[int] = dataclasses.field(default_factory=list)  # [a] steps that accepted a drafts
     reached: list[int] = dataclasses.field(default_factory=list)      # [i] steps whose draft i was judged
     accepted_at: list[int] = dataclasses.field(default_factory=list)  # [i] steps that accepted draft i
-    ks: list[int] = dataclasses.field(default_factory=list)           # drafts proposed per step
+    ks: list[int] = dataclasses.field(default_factory=list)           # drafts judged per step
+    choices: list = dataclasses.field(default_factory=list)           # Adaptive: (proposer, k) per step
     prefill_s: float = 0.0
     propose_s: float = 0.0
     verify_s: float = 0.0
@@ -84,6 +85,7 @@ class Stats:
     def summary(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("ks")
+        d.pop("choices")
         d.update(decode_s=self.decode_s, tokens_per_step=self.tokens_per_step, tokens_per_s=self.tokens_per_s,
                  acceptance_by_position=self.acceptance_by_position,
                  verify_tokens_per_token=self.verify_tokens_per_token)
@@ -220,4 +222,5 @@ def generate(model: Model, ids: Sequence[int], *, max_new_tokens: int, sampling:
         stats.verify_s += t3 - t2
         stats.host_s += t4 - t3
     stats.new_tokens = len(out)
+    stats.choices = list(getattr(session, "choices", ()))
     return GenerateResult(out, stats, stopped=bool(out) and out[-1] in stops)

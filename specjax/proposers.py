@@ -124,7 +124,12 @@ class DraftProposer:
 
 
 class _DraftSession:
-    """Draft cache convention: holds `length` committed tokens; the rest are fed next call."""
+    """Draft cache convention: holds `length` committed tokens; the rest are fed next call.
+
+    Normally the rest is the newest token, or two when all k drafts were accepted (d_k was
+    never fed). A session skipped for some steps (adaptive k chose another proposer) first
+    appends the tokens it missed with the chunked prefill.
+    """
 
     def __init__(self, spec: DraftProposer, capacity: int, seed: int, sampling: Sampling, prompt: np.ndarray):
         m = spec.model
@@ -132,33 +137,32 @@ class _DraftSession:
         self.sample = spec.sample and not sampling.greedy
         self.kv = kvlib.init(m.config, 1, capacity, m.dtype)
         self.length = 0  # committed tokens whose K/V are valid in the draft cache
-        self._prefill(prompt[:-1])
-        self.pending = 0  # drafts of the last proposal (their K/V were written)
-
-    def _prefill(self, tokens: np.ndarray) -> None:
-        from .loop import run_prefill
-        m = self.spec.model
-        if len(tokens):
-            _, self.kv, _ = run_prefill(m, self.kv, tokens, self.seed, Sampling())
-        self.length = len(tokens)
+        self.fed = self.k = 0  # tokens fed and drafts made by the last proposal
 
     def propose(self, history: np.ndarray, limit: int) -> Proposal:
+        from .loop import run_prefill
+
+        m = self.spec.model
+        if len(history) - self.length > 2:  # catch up on tokens this cache never saw
+            behind = history[self.length:len(history) - 2]
+            _, self.kv, _ = run_prefill(m, self.kv.replace(lengths=jnp.array([self.length], jnp.int32)),
+                                        behind, self.seed, Sampling())
+            self.length += len(behind)
         feed = history[self.length:]
-        if len(feed) > 2:  # cannot happen in the loop; guards a misuse of the session
-            raise ProposerError(f"draft cache lags {len(feed)} tokens; at most 2 are supported")
-        m, k = self.spec.model, self.spec.k
+        # draft no more than can be used: compiled lengths 1, 3, 7, 15 (T = k + 1 fills a bucket) or k
+        self.k = min([b - 1 for b in steps.BUCKETS[1:] if b - 1 >= limit] + [self.spec.k], default=self.spec.k)
         padded = np.zeros(2, np.int32)
         padded[:len(feed)] = feed
         drafts, logq, self.kv = steps.draft(
             m.params, m.config, self.kv, jnp.asarray(padded), jnp.int32(len(feed)), jnp.int32(self.length),
-            self.seed, k=k, sampling=self.sampling, sample=self.sample)
+            self.seed, k=self.k, sampling=self.sampling, sample=self.sample)
         self.fed = len(feed)
-        return Proposal(drafts, min(k, limit), logq)
+        return Proposal(drafts, min(self.k, limit), logq)
 
     def observe(self, accepted: int, history: np.ndarray) -> None:
         # K/V written: the fed tokens and d_1 .. d_{k-1}; the committed ones among them are
         # the fed tokens plus the accepted drafts, except d_k (never fed).
-        self.length += self.fed + min(accepted, self.spec.k - 1)
+        self.length += self.fed + min(accepted, self.k - 1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -199,8 +203,9 @@ class _DFlashSession:
 
     def __init__(self, spec: DFlashProposer, target: Model, capacity: int, seed: int, sampling: Sampling):
         d = spec.drafter
-        self.spec, self.target, self.seed, self.sampling = spec, target, jnp.uint32(seed), sampling
-        self.sample = spec.sample and not sampling.greedy
+        self.spec, self.target, self.seed = spec, target, jnp.uint32(seed)
+        # drafts are sampled from this distribution, or None: argmax (compiled once for any sampling)
+        self.draft_sampling = sampling if spec.sample and not sampling.greedy else None
         self.taps = d.cfg.target_layer_ids
         self.cache = dflashlib.init_cache(d.cfg, capacity, d.dtype)
         self.length = 0  # committed context rows (host copy of cache.length)
@@ -219,7 +224,7 @@ class _DFlashSession:
         d, k = self.spec.drafter, self.spec.k
         drafts, logq = dflashlib.draft_tokens(
             d.params, d.cfg, self.cache, self.target.params, self.target.config, np.int32(history[-1]),
-            np.int32(self.length), self.seed, k=k, sampling=self.sampling, sample=self.sample)
+            np.int32(self.length), self.seed, k=k, sampling=self.draft_sampling)
         return Proposal(drafts, min(k, limit), logq)
 
     def observe(self, accepted: int, history: np.ndarray) -> None:

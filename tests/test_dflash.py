@@ -1,0 +1,297 @@
+"""DFlash drafter: public checkpoint format, forward parity with a NumPy re-derivation of
+reference/dflash.md section 2.2, the context cache, and speculative exactness."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import dflash, qwen3, steps
+from specjax import kv as kvlib
+from specjax.dflash import append_context, draft_block, init_cache, load_dflash, save_dflash
+from specjax.loop import run_prefill
+from specjax.proposers import DFlashProposer, ProposerError
+from specjax.sampling import Sampling
+
+SAMPLED = Sampling(temperature=0.8, top_k=40, top_p=0.9)
+# scaled-down z-lab config (dflash.md 1.1) for the tiny target of conftest (D 64, 3 layers, V 101);
+# the drafter's own head geometry differs from the target's on purpose
+HANDMADE = {
+    "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+    "model_type": "qwen3", "block_size": 8, "dflash_config": {"mask_token_id": 100, "target_layer_ids": [0, 2]},
+    "num_target_layers": 3, "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 80,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "rope_theta": 10000, "rope_scaling": None, "max_position_embeddings": 4096,
+    "layer_types": ["full_attention"] * 2, "sliding_window": None, "use_sliding_window": False,
+    "max_window_layers": 2, "attention_bias": False, "attention_dropout": 0.0, "vocab_size": 101,
+    "tie_word_embeddings": True, "dtype": "bfloat16", "initializer_range": 0.02, "use_cache": True,
+}
+
+
+def _handmade_tensors(raw, rng):
+    """Random weights named and shaped as in dflash.md 1.3, rounded to bf16 as published."""
+    d, f, e = raw["hidden_size"], raw["intermediate_size"], raw["head_dim"]
+    q, kv = raw["num_attention_heads"] * e, raw["num_key_value_heads"] * e
+    shapes = {"fc.weight": (d, len(raw["dflash_config"]["target_layer_ids"]) * d),
+              "hidden_norm.weight": (d,), "norm.weight": (d,)}
+    for i in range(raw["num_hidden_layers"]):
+        shapes.update({f"layers.{i}.{n}": s for n, s in {
+            "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+            "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
+            "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
+            "self_attn.q_norm.weight": (e,), "self_attn.k_norm.weight": (e,),
+            "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}.items()})
+    out = {}
+    for name, shape in shapes.items():
+        x = 1 + 0.2 * rng.standard_normal(shape) if name.endswith("norm.weight") else 0.15 * rng.standard_normal(shape)
+        out[name] = x.astype(jnp.bfloat16)
+    return out
+
+
+def _write(folder, raw, tensors):
+    from safetensors.numpy import save_file
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(raw))
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def handmade(tmp_path_factory):
+    """(folder, HF tensors as float64) of a drafter written by hand in the public format."""
+    tensors = _handmade_tensors(HANDMADE, np.random.default_rng(0))
+    folder = _write(tmp_path_factory.mktemp("dflash_hand"), HANDMADE, tensors)
+    return folder, {k: v.astype(np.float64) for k, v in tensors.items()}
+
+
+@pytest.fixture(scope="module")
+def drafter16(tiny):
+    """A random block-16 drafter for the tiny target, tapping its first and last layer."""
+    return dflash.init(tiny[2].config, jax.random.key(0), num_layers=2, target_layer_ids=(0, 2), std=0.2)
+
+
+# --------------------------------------------------------------- NumPy re-derivation (2.2)
+
+def _np_rms(x, w, eps):
+    return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _np_rope(x, pos, theta):
+    """x [T, N, E] rotated (rotate-half) at positions [T]."""
+    e = x.shape[-1]
+    freqs = pos[:, None] * theta ** (-np.arange(0, e, 2) / e)
+    cos, sin = [np.concatenate([g(freqs)] * 2, axis=-1)[:, None] for g in (np.cos, np.sin)]
+    x1, x2 = np.split(x, 2, axis=-1)
+    return x * cos + np.concatenate([-x2, x1], axis=-1) * sin
+
+
+def _np_block_logits(t, raw, features, last, embed):
+    """Logits [B-1, V] of the block after context features [n, C, D] (positions 0 .. C-1),
+    recomputing K/V of the whole context: no cache."""
+    eps, theta, b = raw["rms_norm_eps"], raw["rope_theta"], raw["block_size"]
+    nh, nk, e = raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]
+    n, c_len, d = features.shape
+    c = _np_rms(features.transpose(1, 0, 2).reshape(c_len, n * d) @ t["fc.weight"].T, t["hidden_norm.weight"], eps)
+    x = embed[[last] + [raw["dflash_config"]["mask_token_id"]] * (b - 1)]
+    q_pos = c_len + np.arange(b)
+    k_pos = np.arange(c_len + b)
+    for i in range(raw["num_hidden_layers"]):
+        w = {k[len(f"layers.{i}."):]: v for k, v in t.items() if k.startswith(f"layers.{i}.")}
+        u = _np_rms(x, w["input_layernorm.weight"], eps)
+        q = _np_rope(_np_rms((u @ w["self_attn.q_proj.weight"].T).reshape(b, nh, e), w["self_attn.q_norm.weight"], eps),
+                     q_pos, theta)
+        both = np.concatenate([c, u])  # context rows are not layer-normed
+        k = _np_rope(_np_rms((both @ w["self_attn.k_proj.weight"].T).reshape(-1, nk, e),
+                             w["self_attn.k_norm.weight"], eps), k_pos, theta)
+        v = (both @ w["self_attn.v_proj.weight"].T).reshape(-1, nk, e)
+        out = np.zeros((b, nh, e))
+        for h in range(nh):
+            s = q[:, h] @ k[:, h * nk // nh].T / np.sqrt(e)  # no mask
+            p = np.exp(s - s.max(axis=-1, keepdims=True))
+            out[:, h] = (p / p.sum(axis=-1, keepdims=True)) @ v[:, h * nk // nh]
+        x = x + out.reshape(b, nh * e) @ w["self_attn.o_proj.weight"].T
+        m = _np_rms(x, w["post_attention_layernorm.weight"], eps)
+        gate, up = m @ w["mlp.gate_proj.weight"].T, m @ w["mlp.up_proj.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ w["mlp.down_proj.weight"].T
+    return _np_rms(x, t["norm.weight"], eps)[1:] @ embed.T  # tied target head
+
+
+# --------------------------------------------------------------------------- format
+
+def test_default_target_layer_ids():
+    assert dflash.default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    assert dflash.default_target_layer_ids(24, 1) == (12,)
+    assert dflash.default_target_layer_ids(64, 2) == (1, 61)
+    raw = {**HANDMADE, "dflash_config": {"mask_token_id": 100}}
+    assert dflash.DFlashConfig.from_hf(raw).target_layer_ids == (1, 0)
+
+
+def test_handmade_folder_loads(tiny, handmade):
+    folder, t = handmade
+    d = load_dflash(folder, tiny[2])
+    cfg = d.cfg
+    assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids, cfg.num_target_layers) == (8, 100, (0, 2), 3)
+    assert d.dtype == jnp.float32 and d.path == folder
+    qkv = np.asarray(d.params["layers"]["self_attn.qkv_proj.weight"][1])
+    want = np.concatenate([t[f"layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    np.testing.assert_array_equal(qkv, want)
+    np.testing.assert_array_equal(np.asarray(d.params["fc.weight"]), t["fc.weight"])
+    back = dflash.to_hf(d.params, cfg)
+    assert sorted(back) == sorted(t) and all(np.array_equal(np.asarray(back[n]), t[n]) for n in t)
+
+
+def test_save_load_roundtrip(tiny, drafter16, tmp_path, rng):
+    target = tiny[2]
+    save_dflash(tmp_path / "f32", drafter16, dtype="float32")
+    back = load_dflash(tmp_path / "f32", target)
+    assert back.cfg == drafter16.cfg
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), back.params, drafter16.params))
+    feats = rng.standard_normal((2, 16, 64)).astype(np.float32)
+    logits = []
+    for d in (drafter16, back):
+        c = append_context(d.params, d.cfg, init_cache(d.cfg, 64), feats, 11, np.arange(16))
+        logits.append(np.asarray(draft_block(d.params, d.cfg, c, target.params, target.config, 7, 11, k=15)))
+    np.testing.assert_array_equal(*logits)
+
+    save_dflash(tmp_path / "bf16", drafter16)  # the published dtype by default
+    raw = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == 16
+    assert raw["dflash_config"] == {"mask_token_id": 100, "target_layer_ids": [0, 2]}
+    from safetensors import safe_open
+    with safe_open(tmp_path / "bf16" / "model.safetensors", framework="numpy") as f:
+        assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"BF16"}
+        assert sorted(f.keys()) == sorted(dflash.hf_shapes(drafter16.cfg))
+    half = load_dflash(tmp_path / "bf16", target)
+    rounded = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), drafter16.params)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), half.params, rounded))
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"hidden_size": 32}, "hidden_size 32 != target hidden_size 64"),
+    ({"vocab_size": 120}, "vocab_size 120 != target vocab_size 101"),
+    ({"num_target_layers": 4}, "num_target_layers 4 != target num_hidden_layers 3"),
+    ({"dflash_config": {"mask_token_id": 100, "target_layer_ids": [0, 3]}}, r"target_layer_ids \[0, 3\]: \[3\]"),
+    ({"dflash_config": {"mask_token_id": 101, "target_layer_ids": [0, 2]}}, "mask_token_id 101 outside"),
+    ({"dflash_config": {"mask_token_id": 100, "target_layer_ids": [0, 1, 2]}}, r"fc.weight has shape \(64, 128\)"),
+    ({"architectures": ["DFlash2DraftModel"]}, "architectures"),
+    ({"dflash_config": {"mask_token_id": 100, "target_layer_ids": [0, 2], "output_multiplier": 0.2}},
+     "output_multiplier"),
+    ({"layer_types": ["sliding_attention"] * 2}, "layer_types"),
+])
+def test_mismatch_errors_name_the_parameter(tiny, handmade, tmp_path, change, match):
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**HANDMADE, **change}))
+    (folder / "model.safetensors").symlink_to(handmade[0] / "model.safetensors")
+    with pytest.raises(ValueError, match=match) as e:
+        load_dflash(folder, tiny[2])
+    assert str(folder) in str(e.value)
+
+
+def test_proposer_errors(tiny, handmade, drafter16):
+    drafter = load_dflash(handmade[0], tiny[2])
+    assert DFlashProposer(drafter).k == 7 and DFlashProposer(drafter16).k == 15
+    with pytest.raises(ProposerError, match="block_size - 1 = 7"):
+        DFlashProposer(drafter, k=8)
+    for bad in (0, 16, 2.5):
+        with pytest.raises(ProposerError, match="k must be"):
+            DFlashProposer(drafter16, k=bad)
+    target = tiny[2]
+    other = dataclasses.replace(target, config=dataclasses.replace(target.config, vocab_size=77))
+    with pytest.raises(ProposerError, match="vocab_size 101 != target vocab_size 77"):
+        DFlashProposer(drafter16).start(other, np.array([1, 2]), 256, 0, Sampling())
+
+
+# -------------------------------------------------------------------------- forward
+
+def test_forward_matches_numpy_through_appends(tiny, handmade, rng):
+    """Cached context (several appends, stale rows past each count) == full recompute."""
+    ref, _, target = tiny
+    folder, t = handmade
+    d = load_dflash(folder, target)
+    embed = ref.model.embed_tokens.weight.detach().numpy().astype(np.float64)
+    feats = rng.standard_normal((2, 13, 64)) * 3
+    cache = init_cache(d.cfg, 32)
+    length = 0
+    for width, count in [(0, 0), (8, 5), (4, 2), (8, 6)]:
+        if width:
+            stale = 10 * rng.standard_normal((2, width - count, 64))
+            chunk = np.concatenate([feats[:, length:length + count], stale], axis=1).astype(np.float32)
+            cache = append_context(d.params, d.cfg, cache, chunk, count, length + np.arange(width))
+            length += count
+        assert int(cache.length) == length
+        last = int(rng.integers(101))
+        want = _np_block_logits(t, HANDMADE, feats[:, :length], last, embed)
+        got = np.asarray(draft_block(d.params, d.cfg, cache, target.params, target.config, last, length, k=7))
+        assert got.shape == (7, 101) and np.abs(got - want).max() <= 1e-4
+    short = draft_block(d.params, d.cfg, cache, target.params, target.config, last, length, k=3)
+    assert np.abs(np.asarray(short) - want[:3]).max() <= 1e-4
+
+
+def test_context_rows_only_for_committed_tokens(tiny, drafter16, rng):
+    """After a verify step that rejected drafts, the drafter context is exactly the committed
+    tokens but the pending last one, and drafting equals a fresh recompute from them."""
+    model = tiny[2]
+    cfg, v = model.config, model.config.vocab_size
+    ids = rng.integers(0, v, 130).astype(np.int32)  # two prefill chunks
+    truth = specjax.generate(model, ids, max_new_tokens=3).tokens
+    capacity = 512
+    session = DFlashProposer(drafter16, k=7).start(model, ids, capacity, 0, Sampling())
+    kv = kvlib.init(cfg, 1, capacity)
+    first, kv, tapped = run_prefill(model, kv, ids, jnp.uint32(0), Sampling(), session.taps)
+    for features, n_valid in tapped:
+        session.extend(features, n_valid)
+    history = np.append(ids, first).astype(np.int32)
+    assert session.length == int(kv.lengths[0]) == 130
+    session.propose(history, 7)
+    drafts = np.array([truth[1], (truth[2] + 1) % v, 5, 6, 7, 8, 9], np.int32)  # first right, then wrong
+    out, count, _, kv, features = steps.verify(model.params, cfg, kv, np.int32(first), drafts, np.int32(7),
+                                               jnp.uint32(0), sampling=Sampling(), width=8, taps=session.taps)
+    assert int(count) == 2
+    session.extend(features, int(count))
+    history = np.append(history, np.asarray(out[:2])).astype(np.int32)
+    session.observe(1, history)
+    assert session.length == int(session.cache.length) == int(kv.lengths[0]) == len(history) - 1 == 132
+
+    d = drafter16
+    _, _, taps = qwen3.hidden_states(model.params, cfg, history[None, :-1], np.arange(132)[None], taps=session.taps)
+    fresh = append_context(d.params, d.cfg, init_cache(d.cfg, capacity), taps[:, 0], 132, np.arange(132))
+    want = draft_block(d.params, d.cfg, fresh, model.params, cfg, history[-1], 132, k=7)
+    got = draft_block(d.params, d.cfg, session.cache, model.params, cfg, history[-1], 132, k=7)
+    assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 1e-4
+    np.testing.assert_array_equal(np.asarray(session.propose(history, 7).drafts), np.argmax(want, axis=-1))
+
+
+# ------------------------------------------------------------------------ exactness
+
+def test_greedy_equals_plain(tiny, drafter16, rng):
+    model = tiny[2]
+    ids = rng.integers(0, model.config.vocab_size, 20)
+    plain = specjax.generate(model, ids, max_new_tokens=40)
+    for k in (1, 4, 7, 15):
+        spec = specjax.generate(model, ids, max_new_tokens=40, speculative=DFlashProposer(drafter16, k=k))
+        assert spec.tokens == plain.tokens, k
+        assert spec.stats.drafted > 0
+
+
+def test_sampled(tiny, drafter16, rng):
+    model = tiny[2]
+    v = model.config.vocab_size
+    ids = rng.integers(0, v, 20)
+    seed = int(rng.integers(1 << 31))
+    plain = specjax.generate(model, ids, max_new_tokens=30, sampling=SAMPLED, seed=seed)
+    spec = specjax.generate(model, ids, max_new_tokens=30, sampling=SAMPLED, seed=seed,
+                            speculative=DFlashProposer(drafter16, k=4))
+    assert spec.tokens == plain.tokens  # greedy drafts: sample-and-match is token-exact
+    res = specjax.generate(model, ids, max_new_tokens=30, sampling=SAMPLED, seed=seed,
+                           speculative=DFlashProposer(drafter16, k=4, sample=True))
+    assert len(res.tokens) == 30 and all(0 <= x < v for x in res.tokens) and res.stats.drafted > 0
+    session = DFlashProposer(drafter16, k=4, sample=True).start(model, ids, 256, seed, SAMPLED)
+    prop = session.propose(np.array([3], np.int32), 4)  # empty context
+    drafts, logq = np.asarray(prop.drafts), np.asarray(prop.logq)
+    assert logq.shape == (4, v) and np.all(np.isfinite(logq[np.arange(4), drafts]))
+    np.testing.assert_allclose(np.log(np.exp(logq).sum(-1)), 0.0, atol=1e-5)
