@@ -50,7 +50,11 @@ def _add_generate(sub) -> None:
     spec.add_argument("--draft", type=Path, metavar="DIR", help="draft model folder (same vocabulary)")
     spec.add_argument("--draft-k", type=_k_or_auto, default=4, metavar="K|auto",
                       help="draft model tokens per step; auto: adaptive k")
-    spec.add_argument("--sample-drafts", action="store_true", help="sample draft tokens (general acceptance rule)")
+    spec.add_argument("--dflash", type=Path, metavar="DIR", help="DFlash drafter folder for this target")
+    spec.add_argument("--dflash-k", type=_k_or_auto, default=None, metavar="K|auto",
+                      help="DFlash drafts per step (default: block_size - 1, at most 15); auto: adaptive k")
+    spec.add_argument("--sample-drafts", action="store_true",
+                      help="sample draft-model / DFlash tokens (general acceptance rule)")
     p.add_argument("--no-speculate", action="store_true", help="plain decoding")
 
 
@@ -115,8 +119,9 @@ def _prompt_ids(args, tokenizer) -> list[int]:
 def _proposer(args, target):
     """The proposer the flags ask for; several, or any k of `auto`, make an Adaptive one."""
     from .adaptive import Adaptive
+    from .dflash import load_dflash
     from .model import load
-    from .proposers import DraftProposer, NgramProposer
+    from .proposers import DFlashProposer, DraftProposer, NgramProposer
 
     if args.no_speculate:
         return None
@@ -126,6 +131,9 @@ def _proposer(args, target):
     if args.draft is not None:
         k = 7 if args.draft_k == "auto" else args.draft_k
         chosen.append((DraftProposer(load(args.draft, target.dtype), k=k, sample=args.sample_drafts), args.draft_k))
+    if args.dflash is not None:
+        k = None if args.dflash_k in (None, "auto") else args.dflash_k
+        chosen.append((DFlashProposer(load_dflash(args.dflash, target), k=k, sample=args.sample_drafts), args.dflash_k))
     if not chosen:
         return None
     if len(chosen) > 1 or chosen[0][1] == "auto":

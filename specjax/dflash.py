@@ -83,7 +83,7 @@ class DFlashConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        self.layer_config  # validates the shared Qwen3 geometry
+        _ = self.layer_config  # validates the shared Qwen3 geometry
         if not self.target_layer_ids:
             raise ConfigError("DFlash config: target_layer_ids must not be empty")
         if self.block_size < 2:
@@ -192,8 +192,7 @@ class Drafter:
 
 def hf_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the public checkpoint with its shape (dflash.md 1.3)."""
-    prefix = "model."
-    shapes = {name[len(prefix):]: shape for name, shape in checkpoint.hf_shapes(cfg.layer_config).items()
+    shapes = {name.removeprefix("model."): shape for name, shape in checkpoint.hf_shapes(cfg.layer_config).items()
               if name.startswith(LAYERS + ".")}
     d = cfg.hidden_size
     shapes.update({"fc.weight": (d, len(cfg.target_layer_ids) * d), "hidden_norm.weight": (d,), "norm.weight": (d,)})

@@ -37,6 +37,7 @@ class Stats:
     reached: list[int] = dataclasses.field(default_factory=list)      # [i] steps whose draft i was judged
     accepted_at: list[int] = dataclasses.field(default_factory=list)  # [i] steps that accepted draft i
     ks: list[int] = dataclasses.field(default_factory=list)           # drafts judged per step
+    accepts: list[int] = dataclasses.field(default_factory=list)      # drafts accepted per step
     choices: list = dataclasses.field(default_factory=list)           # Adaptive: (proposer, k) per step
     prefill_s: float = 0.0
     propose_s: float = 0.0
@@ -81,11 +82,12 @@ class Stats:
         self.drafted += n_drafts
         self.accepted += accepted
         self.ks.append(n_drafts)
+        self.accepts.append(accepted)
 
     def summary(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d.pop("ks")
-        d.pop("choices")
+        for per_step in ("ks", "accepts", "choices"):
+            d.pop(per_step)
         d.update(decode_s=self.decode_s, tokens_per_step=self.tokens_per_step, tokens_per_s=self.tokens_per_s,
                  acceptance_by_position=self.acceptance_by_position,
                  verify_tokens_per_token=self.verify_tokens_per_token)
@@ -199,13 +201,16 @@ def generate(model: Model, ids: Sequence[int], *, max_new_tokens: int, sampling:
         remaining = max_new_tokens - len(out)
         prop = session.propose(history[:size], remaining - 1) if session and remaining > 1 else None
         n = prop.n if prop is not None else 0
-        if n:
-            jax.block_until_ready(prop.drafts)
+        width = steps.bucket(n + 1)
+        drafts = prop.drafts if n else no_drafts
+        if isinstance(drafts, np.ndarray):  # host drafts: pad to the verify width, one compile per width
+            drafts = np.pad(drafts[:width - 1], (0, width - 1 - min(len(drafts), width - 1)))
+        else:
+            jax.block_until_ready(drafts)
         t2 = time.perf_counter()
         res, count, bad, kv, features = steps.verify(
-            model.params, model.config, kv, np.int32(history[size - 1]), prop.drafts if n else no_drafts,
-            np.int32(n), seed_arr, sampling=sampling, width=steps.bucket(n + 1),
-            logq=prop.logq if n else None, taps=taps)
+            model.params, model.config, kv, np.int32(history[size - 1]), drafts,
+            np.int32(n), seed_arr, sampling=sampling, width=width, logq=prop.logq if n else None, taps=taps)
         res, count, bad = jax.device_get((res, count, bad))
         t3 = time.perf_counter()
         if bad:

@@ -149,8 +149,7 @@ class _DraftSession:
                                         behind, self.seed, Sampling())
             self.length += len(behind)
         feed = history[self.length:]
-        # draft no more than can be used: compiled lengths 1, 3, 7, 15 (T = k + 1 fills a bucket) or k
-        self.k = min([b - 1 for b in steps.BUCKETS[1:] if b - 1 >= limit] + [self.spec.k], default=self.spec.k)
+        self.k = steps.draft_length(limit, self.spec.k)
         padded = np.zeros(2, np.int32)
         padded[:len(feed)] = feed
         drafts, logq, self.kv = steps.draft(
@@ -221,7 +220,9 @@ class _DFlashSession:
         if len(history) - 1 != self.length:  # cannot happen in the loop; guards a misuse of the session
             raise ProposerError(f"DFlash context holds {self.length} rows but {len(history) - 1} tokens "
                                 "are committed before the last one; extend() was not called with every step")
-        d, k = self.spec.drafter, self.spec.k
+        d = self.spec.drafter
+        # rows past `limit` are never judged (row j of a block does not depend on k)
+        k = steps.draft_length(limit, self.spec.k)
         drafts, logq = dflashlib.draft_tokens(
             d.params, d.cfg, self.cache, self.target.params, self.target.config, np.int32(history[-1]),
             np.int32(self.length), self.seed, k=k, sampling=self.draft_sampling)

@@ -31,6 +31,12 @@ def bucket(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
     raise ValueError(f"{n} tokens exceed the largest compiled bucket {buckets[-1]}")
 
 
+def draft_length(limit: int, k: int) -> int:
+    """Drafts to make when at most `limit` can be judged: the smallest k' = bucket - 1
+    covering limit, capped at the proposer's k (so draft shapes match verify widths)."""
+    return min([b - 1 for b in BUCKETS[1:] if b - 1 >= limit] + [k])
+
+
 def _fit(x: jax.Array, n: int) -> jax.Array:
     """First n rows of x, zero-padded to n (static shapes)."""
     x = x[:n]

@@ -1,0 +1,81 @@
+"""Evaluate a trained model folder: held-out loss, rename-edit accuracy, sample continuations.
+
+`python -m train.evaluate --model checkpoints/tiny-code [--edits 20] [--samples 3]` prints
+a JSON report (the numbers in checkpoints/README.md come from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import specjax
+from specjax import qwen3
+from train.data import load_shard
+from train.prompts import completion_prompts, edit_prompts
+
+
+def heldout_loss(model: specjax.Model, tokens: np.ndarray, seq: int = 512, windows: int = 48) -> float:
+    """Mean next-token cross-entropy (nats) over evenly spaced held-out windows."""
+    starts = np.linspace(0, len(tokens) - seq - 2, windows).astype(int)
+    losses = []
+    for s in starts:
+        w = np.asarray(tokens[s:s + seq + 1], np.int32)
+        logits, _, _ = qwen3.forward(model.params, model.config, w[None, :-1], np.arange(seq)[None])
+        losses.append(float(optax.softmax_cross_entropy_with_integer_labels(logits[0], jnp.asarray(w[1:])).mean()))
+    return float(np.mean(losses))
+
+
+def rename_accuracy(model: specjax.Model, n: int, prompt_tokens: int = 600) -> dict:
+    """Fraction of held-out rename edits whose greedy reply is exactly the renamed snippet."""
+    tok = model.tokenizer
+    right = 0
+    for p in edit_prompts(tok, n, prompt_tokens, seed=1):
+        want = len(tok(p.answer)["input_ids"])
+        out = specjax.generate(model, p.ids, max_new_tokens=want + 8, stop_ids=model.eos_ids,
+                               speculative=specjax.NgramProposer(k=7))
+        right += tok.decode(out.tokens).startswith(p.answer)
+    return {"edits": n, "exact": right, "accuracy": right / n}
+
+
+def continuations(model: specjax.Model, n: int, new_tokens: int = 64) -> list[dict]:
+    tok = model.tokenizer
+    out = []
+    for p in completion_prompts(tok, n, 200, seed=2):
+        res = specjax.generate(model, p.ids, max_new_tokens=new_tokens, stop_ids=model.eos_ids)
+        out.append({"file": p.source, "prompt_tail": tok.decode(p.ids[-40:]), "continuation": tok.decode(res.tokens)})
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__)
+    ap.add_argument("--model", type=Path, default=Path("checkpoints/tiny-code"))
+    ap.add_argument("--data", type=Path, default=Path("runs/data"), help="shard dir with heldout.npy and meta.json")
+    ap.add_argument("--edits", type=int, default=20)
+    ap.add_argument("--samples", type=int, default=3)
+    args = ap.parse_args(argv)
+    model = specjax.load(args.model)
+    meta = json.loads((args.data / "meta.json").read_text())
+    loss = heldout_loss(model, load_shard(args.data / "heldout.npy"))
+    bytes_per_token = meta["heldout"]["bytes"] / meta["heldout"]["tokens"]
+    report = {
+        "model": str(args.model),
+        "parameters": int(sum(np.prod(x.shape) for x in jax.tree.leaves(model.params))),
+        "heldout_nats_per_token": loss,
+        "heldout_bits_per_byte": loss / math.log(2) / bytes_per_token,
+        "rename": rename_accuracy(model, args.edits),
+        "samples": continuations(model, args.samples),
+    }
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
