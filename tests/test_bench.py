@@ -1,0 +1,82 @@
+"""`specjax bench --quick` on a random tiny model: schema, outputs, and stats that agree with generate."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import pytest
+
+import specjax
+from specjax import bench, checkpoint
+from specjax.config import Qwen3Config
+from train.prompts import workload
+
+SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-code"
+
+
+def _random_model(folder: Path, hidden: int, layers: int, seed: int) -> Path:
+    cfg = Qwen3Config(vocab_size=8192, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=0,
+                      max_position_embeddings=2048)
+    checkpoint.save(folder, checkpoint.init_params(cfg, jax.random.key(seed), std=0.3), cfg)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SHIPPED_TOKENIZER / name, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    target = _random_model(root / "t", 32, 2, 1)
+    draft = _random_model(root / "t-draft", 16, 1, 2)
+    cfg = bench.BenchConfig.quick(model=target, draft=draft, new_tokens=12, prompt_tokens=160,
+                                  workloads=("edit",), profile_ts=(1, 2, 4), out=root / "out")
+    return cfg, bench.run(cfg, log=lambda s: None)
+
+
+def test_outputs_written(results):
+    cfg, _ = results
+    data = json.loads((cfg.out / "results.json").read_text())
+    assert {"date", "machine", "config", "cells", "profile"} <= set(data)
+    table = (cfg.out / "results.md").read_text()
+    assert "| edit | greedy |" in table and "| edit | sampled |" in table
+    for png in ("speedup_vs_k.png", "acceptance_by_position.png"):
+        assert (cfg.out / png).stat().st_size > 1000
+
+
+def test_every_field_present(results):
+    _, res = results
+    for cell in res["cells"]:
+        rows = cell["rows"]
+        assert {"plain:0", "adaptive:0", "hf-plain:0", "hf-lookup:0", "hf-assisted:0"} <= set(rows)
+        assert {f"ngram:{k}" for k in (2, 7)} | {f"draft:{k}" for k in (2, 4)} <= set(rows)
+        for key, row in rows.items():
+            assert {"median", "min", "max"} <= set(row["tok_s"]) and row["tok_s"]["median"] > 0
+            assert {"median", "min", "max"} <= set(row["speedup"]) and "rss_mb" in row
+            if row["method"] in ("ngram", "draft", "adaptive"):
+                assert {"tokens_per_step", "accept_hist", "acceptance_by_position", "verify_tokens_per_token",
+                        "time_split"} <= set(row)
+                assert set(row["time_split"]) == {"propose_s", "verify_s", "host_s"}
+            if not key.startswith("hf-") or cell["sampling"] == "greedy":
+                # ours are exact; transformers' greedy is the same model, so the same tokens too
+                assert row["same_tokens_as_plain"], key
+        assert set(cell["best_k"]) >= {"ngram", "draft", "adaptive", "hf-plain"}
+    p = res["profile"]
+    assert set(p["ratio_to_T1"]) == {1, 2, 4} and p["ratio_to_T1"][1] == 1.0
+    assert p["floor_ms"] > 0 and p["decode_over_floor"] > 0
+
+
+def test_stats_agree_with_generate(results):
+    """Tokens per step and histograms in the results are what generate reports for the same run."""
+    cfg, res = results
+    target = specjax.load(cfg.model)
+    draft = specjax.load(cfg.draft)
+    prompt = workload(target.tokenizer, "edit", 1, cfg.prompt_tokens)[0]
+    cell = next(c for c in res["cells"] if c["sampling"] == "greedy")
+    for key, prop in [("ngram:7", specjax.NgramProposer(k=7)), ("draft:2", specjax.DraftProposer(draft, k=2))]:
+        out = specjax.generate(target, prompt.ids, max_new_tokens=cfg.new_tokens, speculative=prop, seed=1)
+        row = cell["rows"][key]
+        assert row["tokens_per_step"] == out.stats.tokens_per_step
+        assert row["accept_hist"] == out.stats.accept_hist
+        assert row["verify_tokens_per_token"] == out.stats.verify_tokens_per_token
