@@ -48,11 +48,25 @@ def init(cfg: Qwen3Config, batch: int, capacity: int, dtype=jnp.float32, page_si
 
 
 def write(pool: jax.Array, layer: jax.Array, new: jax.Array, page_table: jax.Array,
-          positions: jax.Array, page_size: int) -> jax.Array:
-    """Store new [B, T, K, E] entries of one layer at absolute `positions` [B, T]."""
-    rows = jnp.arange(page_table.shape[0])[:, None]
-    page = page_table[rows, positions // page_size]  # [B, T]
-    return pool.at[layer, :, page, positions % page_size, :].set(new.astype(pool.dtype), mode="drop")
+          start: jax.Array, page_size: int) -> jax.Array:
+    """Store one layer's new entries [B, T, K, E] at positions start[b] + 0 .. T-1.
+
+    One [K, E] dynamic_update_slice per token inside a fori_loop: XLA does these in place
+    on the loop-carried pool (a scatter, or a page-sized read-modify-write, was lowered to
+    copies of the whole pool: 20-100x slower). Positions past the row's capacity are dropped.
+    """
+    b_size, t, _, _ = new.shape
+    z, n_pages = page_size, page_table.shape[1]
+    for b in range(b_size):
+        def body(i, pool, b=b):
+            pos = start[b] + i
+            page = page_table[b, jnp.minimum(pos // z, n_pages - 1)]
+            at = (layer, 0, page, pos % z, 0)
+            row = jax.lax.dynamic_index_in_dim(new[b], i, keepdims=False)[None, :, None, None, :]
+            cur = jax.lax.dynamic_slice(pool, at, row.shape)
+            return jax.lax.dynamic_update_slice(pool, jnp.where(pos < n_pages * z, row.astype(pool.dtype), cur), at)
+        pool = jax.lax.fori_loop(0, t, body, pool)
+    return pool
 
 
 def read(pool: jax.Array, layer: jax.Array, page_table: jax.Array) -> jax.Array:

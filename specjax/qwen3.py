@@ -3,7 +3,7 @@
 Shape letters are those of kv.py. With `kv=None` attention is causal over the given tokens
 only (training, parity tests); with a KVCache the tokens' keys and values are written at
 their absolute positions first and every query attends to all slots at or before its own
-position. Numerics follow transformers' Qwen3: norms, softmax and logits in float32.
+position (with a cache, each row's T positions must be contiguous). Numerics follow transformers' Qwen3: norms, softmax and logits in float32.
 """
 
 from __future__ import annotations
@@ -43,7 +43,12 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
-    """Grouped-query attention; q [B, T, H, E], k/v [B, K, S, E]; key j is seen iff k_pos <= q_pos.
+    """Grouped-query attention; q [B, T, H, E], k/v [B, K, S, E]; key j is seen iff k_pos <= q_pos."""
+    return attend_masked(q, k, v, k_pos[:, None, :] <= q_pos[:, :, None])
+
+
+def attend_masked(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention under an explicit mask [B, T, S] (True: query t sees key s).
 
     Queries are laid out [B, K, T*G, E] so both products are plain batched matmuls, the
     form XLA:CPU runs fastest (reference/cpu-facts.md section 5).
@@ -54,9 +59,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: ja
     qg = q.reshape(b, t, kh, g, e).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, e)
     scores = jax.lax.dot_general(qg, k, (((3,), (3,)), ((0, 1), (0, 1))),
                                  preferred_element_type=jnp.float32) * (e ** -0.5)  # [B, K, T*G, S]
-    qp = jnp.repeat(q_pos, g, axis=1)  # [B, T*G]
-    mask = k_pos[:, None, None, :] <= qp[:, None, :, None]
-    scores = jnp.where(mask, scores, -jnp.inf)
+    scores = jnp.where(jnp.repeat(mask, g, axis=1)[:, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jax.lax.dot_general(probs, v, (((3,), (2,)), ((0, 1), (0, 1))))  # [B, K, T*G, E]
     return out.reshape(b, kh, t, g, e).transpose(0, 2, 1, 3, 4).reshape(b, t, h * e)
@@ -79,8 +82,8 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
         keys, values, k_pos = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions
     else:
         k_pool, v_pool, page_table, page_size = cache
-        k_pool = kvlib.write(k_pool, layer, k, page_table, positions, page_size)
-        v_pool = kvlib.write(v_pool, layer, v, page_table, positions, page_size)
+        k_pool = kvlib.write(k_pool, layer, k, page_table, positions[:, 0], page_size)
+        v_pool = kvlib.write(v_pool, layer, v, page_table, positions[:, 0], page_size)
         keys = kvlib.read(k_pool, layer, page_table)
         values = kvlib.read(v_pool, layer, page_table)
         k_pos = jnp.broadcast_to(jnp.arange(keys.shape[2]), (b, keys.shape[2]))
