@@ -19,6 +19,10 @@ Context cache: per drafter layer the K (k_norm + RoPE at the row's absolute posi
 and V of every committed context row, slot = absolute position. Block rows are never
 kept, so drafting only reads the cache; appending writes rows and grows `length` by the
 committed count (rows past it are overwritten by the next append, as in kv.py).
+
+Training (`block_logits`) runs many blocks of one sequence in one packed pass under
+`block_mask`, recomputing context K/V from the features with the same pieces, so each
+block's logits equal what `draft_block` gives with the context cut at its anchor.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from . import checkpoint
@@ -39,12 +42,11 @@ from . import sampling as smp
 from .checkpoint import LAYERS, CheckpointError, Params
 from .config import ConfigError, Qwen3Config
 from .model import Model
-from .qwen3 import attend, linear, rms_norm, rope, unembed
+from .qwen3 import attend_masked, linear, rms_norm, rope, unembed
 from .sampling import Sampling
 
 ARCHITECTURE = "DFlashDraftModel"
 DRAFT_LAYERS = "layers"
-_HIDDEN = np.iinfo(np.int32).max  # key position no query reaches: masks stale context slots
 # Newer-code options (dflash.md 1.2) whose non-default values we do not run.
 _DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": 0.0,
              "is_causal": False}
@@ -213,10 +215,9 @@ def to_hf(params: Params, cfg: DFlashConfig) -> dict[str, Any]:
     return {n.removeprefix("model."): v for n, v in checkpoint.to_hf(tree, cfg.layer_config).items()}
 
 
-def init(target_cfg: Qwen3Config, key: jax.Array, num_layers: int = 5, block_size: int = 16,
-         target_layer_ids: tuple[int, ...] | None = None, mask_token_id: int | None = None,
-         dtype: Any = jnp.float32, std: float = 0.02) -> Drafter:
-    """A random drafter for `target_cfg` (its geometry, `num_layers` layers).
+def config_for(target_cfg: Qwen3Config, num_layers: int = 5, block_size: int = 16,
+               target_layer_ids: tuple[int, ...] | None = None, mask_token_id: int | None = None) -> DFlashConfig:
+    """A drafter config for `target_cfg` (its geometry, `num_layers` layers).
 
     target_layer_ids default to z-lab's even spread; mask_token_id defaults to the last
     vocabulary row (for Qwen3 a padded row, like the published 151669).
@@ -231,18 +232,30 @@ def init(target_cfg: Qwen3Config, key: jax.Array, num_layers: int = 5, block_siz
         mask_token_id=target_cfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
         block_size=block_size, rms_norm_eps=target_cfg.rms_norm_eps, rope_theta=target_cfg.rope_theta,
         max_position_embeddings=target_cfg.max_position_embeddings)
-    check_fits(cfg, target_cfg, "dflash.init")
+    check_fits(cfg, target_cfg, "dflash.config_for")
+    return cfg
+
+
+def init_params(cfg: DFlashConfig, key: jax.Array, dtype: Any = jnp.float32, std: float = 0.02) -> Params:
+    """Random drafter weights (normal(0, std) matrices, unit norms) in runtime layout."""
     k_layers, k_fc = jax.random.split(key)
     # the target's initialiser on a one-row vocabulary gives the layers in runtime layout
     layers = checkpoint.init_params(dataclasses.replace(cfg.layer_config, vocab_size=1), k_layers, dtype, std)[LAYERS]
     d = cfg.hidden_size
-    params = {
-        "fc.weight": (std * jax.random.normal(k_fc, (d, len(ids) * d), jnp.float32)).astype(dtype),
+    return {
+        "fc.weight": (std * jax.random.normal(k_fc, (d, len(cfg.target_layer_ids) * d), jnp.float32)).astype(dtype),
         "hidden_norm.weight": jnp.ones((d,), dtype),
         "norm.weight": jnp.ones((d,), dtype),
         DRAFT_LAYERS: layers,
     }
-    return Drafter(params, cfg, jnp.dtype(dtype))
+
+
+def init(target_cfg: Qwen3Config, key: jax.Array, num_layers: int = 5, block_size: int = 16,
+         target_layer_ids: tuple[int, ...] | None = None, mask_token_id: int | None = None,
+         dtype: Any = jnp.float32, std: float = 0.02) -> Drafter:
+    """A random drafter for `target_cfg` (see config_for and init_params)."""
+    cfg = config_for(target_cfg, num_layers, block_size, target_layer_ids, mask_token_id)
+    return Drafter(init_params(cfg, key, dtype, std), cfg, jnp.dtype(dtype))
 
 
 def load_dflash(path: str | Path, target: Model, dtype: Any = None) -> Drafter:
@@ -291,6 +304,52 @@ def _split_qkv(cfg: DFlashConfig, qkv: jax.Array) -> list[jax.Array]:
     return jnp.split(qkv, [nh * hd, (nh + nk) * hd], axis=-1)
 
 
+def _context_kv(params: Params, cfg: DFlashConfig, x: jax.Array, positions: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """Per-layer K (k_norm + RoPE at `positions` [T]) and V, each [L, K, T, E], of context
+    rows c = hidden_norm(fc(x)) for concatenated target features x [T, n*D]."""
+    lp = params[DRAFT_LAYERS]
+    nh, nk, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    x = x.astype(params["fc.weight"].dtype)
+    c = rms_norm(linear(x, params["fc.weight"]), params["hidden_norm.weight"], eps)  # [T, D]
+    # c feeds every layer's k/v projection directly (no input_layernorm on the context)
+    w_kv = lp["self_attn.qkv_proj.weight"][:, nh * hd:]  # [L, 2*K*E, D]: the k and v rows
+    k, v = jnp.split(jax.vmap(linear, in_axes=(None, 0))(c, w_kv), 2, axis=-1)  # [L, T, K*E] each
+    shape = (cfg.num_hidden_layers, x.shape[0], nk, hd)
+    k = rms_norm(k.reshape(shape), lp["self_attn.k_norm.weight"][:, None, None], eps)
+    k = rope(k, jnp.broadcast_to(positions, shape[:2]), cfg.rope_theta)
+    return k.transpose(0, 2, 1, 3), v.reshape(shape).transpose(0, 2, 1, 3)
+
+
+def _block_pass(params: Params, cfg: DFlashConfig, x: jax.Array, q_pos: jax.Array, ctx_k: jax.Array,
+                ctx_v: jax.Array, mask: jax.Array) -> jax.Array:
+    """The drafter layers over block rows x [Q, D] at positions q_pos [Q]; final-normed [Q, D].
+
+    ctx_k/ctx_v [L, K, S, E] are the context rows; mask [Q, S + Q] says which context rows
+    (first S columns) and block rows (last Q) each block row sees.
+    """
+    nh, nk, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    q_len, dtype = x.shape[0], x.dtype
+    pos = q_pos[None]  # [1, Q]
+
+    def layer(x, xs):
+        lp, ctx_k, ctx_v = xs  # ctx [K, S, E]
+        h = rms_norm(x, lp["input_layernorm.weight"], eps)
+        q, bk, bv = _split_qkv(cfg, linear(h, lp["self_attn.qkv_proj.weight"]))
+        q = rope(rms_norm(q.reshape(1, q_len, nh, hd), lp["self_attn.q_norm.weight"], eps), pos, cfg.rope_theta)
+        bk = rope(rms_norm(bk.reshape(1, q_len, nk, hd), lp["self_attn.k_norm.weight"], eps), pos, cfg.rope_theta)
+        keys = jnp.concatenate([ctx_k[None].astype(dtype), bk.transpose(0, 2, 1, 3)], axis=2)  # [1, K, S+Q, E]
+        values = jnp.concatenate([ctx_v[None].astype(dtype), bv.reshape(1, q_len, nk, hd).transpose(0, 2, 1, 3)],
+                                 axis=2)
+        x = x + linear(attend_masked(q, keys, values, mask[None])[0], lp["self_attn.o_proj.weight"])
+        h = rms_norm(x, lp["post_attention_layernorm.weight"], eps)
+        gate, up = jnp.split(linear(h, lp["mlp.gate_up_proj.weight"]), 2, axis=-1)
+        return x + linear(jax.nn.silu(gate) * up, lp["mlp.down_proj.weight"]), None
+
+    x, _ = jax.lax.scan(layer, x, (params[DRAFT_LAYERS], ctx_k, ctx_v))
+    return rms_norm(x, params["norm.weight"], eps)
+
+
 @partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
 def append_context(params: Params, cfg: DFlashConfig, cache: ContextCache, features: jax.Array,
                    count: jax.Array, positions: jax.Array) -> ContextCache:
@@ -300,20 +359,11 @@ def append_context(params: Params, cfg: DFlashConfig, cache: ContextCache, featu
     next append, which starts at length + count); the length grows by `count`.
     """
     n, t, d = features.shape
-    lp = params[DRAFT_LAYERS]
-    dtype = params["fc.weight"].dtype
-    x = features.astype(dtype).transpose(1, 0, 2).reshape(t, n * d)  # [T, n*D] in target_layer_ids order
-    c = rms_norm(linear(x, params["fc.weight"]), params["hidden_norm.weight"], cfg.rms_norm_eps)  # [T, D]
-    # c feeds every layer's k/v projection directly (no input_layernorm on the context)
-    qkv = jax.vmap(linear, in_axes=(None, 0))(c, lp["self_attn.qkv_proj.weight"])  # [L, T, (H+2K)*E]
-    _, k, v = _split_qkv(cfg, qkv)
-    shape = (cfg.num_hidden_layers, t, cfg.num_key_value_heads, cfg.head_dim)
-    k = rms_norm(k.reshape(shape), lp["self_attn.k_norm.weight"][:, None, None], cfg.rms_norm_eps)
-    k = rope(k, jnp.broadcast_to(positions, shape[:2]), cfg.rope_theta)  # [L, T, K, E]
-    v = v.reshape(shape)
+    x = features.transpose(1, 0, 2).reshape(t, n * d)  # [T, n*D] in target_layer_ids order
+    k, v = _context_kv(params, cfg, x, positions)  # [L, K, T, E]
     return cache.replace(
-        k=cache.k.at[:, :, positions].set(k.transpose(0, 2, 1, 3).astype(cache.k.dtype), mode="drop"),
-        v=cache.v.at[:, :, positions].set(v.transpose(0, 2, 1, 3).astype(cache.v.dtype), mode="drop"),
+        k=cache.k.at[:, :, positions].set(k.astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[:, :, positions].set(v.astype(cache.v.dtype), mode="drop"),
         length=cache.length + count.astype(jnp.int32))
 
 
@@ -323,36 +373,50 @@ def draft_block(params: Params, cfg: DFlashConfig, cache: ContextCache, target_p
     """Draft logits [k, V] (float32) for the k tokens after `last_token` (at position `start`).
 
     One pass over the block [last, mask x (B-1)] at positions start .. start+B-1: every block
-    row sees every context row before `start` and every block row (no mask). Row j predicts
-    the token at start + j; row 0 is discarded. The cache is only read.
+    row sees every context row before `start` and every block row. Row j predicts the token
+    at start + j; row 0 is discarded. The cache is only read.
     """
-    b, nh, nk, hd = cfg.block_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    eps = cfg.rms_norm_eps
-    dtype = params["fc.weight"].dtype
+    b = cfg.block_size
+    embed = target_params["model.embed_tokens.weight"]
     tokens = jnp.full((b,), cfg.mask_token_id, jnp.int32).at[0].set(last_token)
-    x = target_params["model.embed_tokens.weight"][tokens].astype(dtype)  # [B, D]
-    q_pos = (start + jnp.arange(b, dtype=jnp.int32))[None]  # [1, B]
-    # attend() shows key j to query i iff k_pos[j] <= q_pos[i]: context slots before start keep
-    # their position, later (stale) slots are pushed out of reach, block keys sit at start.
-    slots = jnp.arange(cache.capacity, dtype=jnp.int32)
-    k_pos = jnp.concatenate([jnp.where(slots < start, slots, _HIDDEN), jnp.full((b,), start, jnp.int32)])[None]
+    x = embed[tokens].astype(params["fc.weight"].dtype)  # [B, D]
+    q_pos = start + jnp.arange(b, dtype=jnp.int32)
+    seen = jnp.arange(cache.capacity) < start  # slots at or after start are stale
+    mask = jnp.concatenate([jnp.broadcast_to(seen, (b, cache.capacity)), jnp.ones((b, b), bool)], axis=1)
+    h = _block_pass(params, cfg, x, q_pos, cache.k, cache.v, mask)[1:k + 1]  # [k, D]
+    return unembed(target_params, target_cfg, h.astype(embed.dtype))
 
-    def layer(x, xs):
-        lp, ctx_k, ctx_v = xs  # ctx [K, S, E]
-        h = rms_norm(x, lp["input_layernorm.weight"], eps)
-        q, bk, bv = _split_qkv(cfg, linear(h, lp["self_attn.qkv_proj.weight"]))
-        q = rope(rms_norm(q.reshape(1, b, nh, hd), lp["self_attn.q_norm.weight"], eps), q_pos, cfg.rope_theta)
-        bk = rope(rms_norm(bk.reshape(1, b, nk, hd), lp["self_attn.k_norm.weight"], eps), q_pos, cfg.rope_theta)
-        keys = jnp.concatenate([ctx_k[None].astype(dtype), bk.transpose(0, 2, 1, 3)], axis=2)  # [1, K, S+B, E]
-        values = jnp.concatenate([ctx_v[None].astype(dtype), bv.reshape(1, b, nk, hd).transpose(0, 2, 1, 3)], axis=2)
-        x = x + linear(attend(q, keys, values, q_pos, k_pos)[0], lp["self_attn.o_proj.weight"])
-        h = rms_norm(x, lp["post_attention_layernorm.weight"], eps)
-        gate, up = jnp.split(linear(h, lp["mlp.gate_up_proj.weight"]), 2, axis=-1)
-        return x + linear(jax.nn.silu(gate) * up, lp["mlp.down_proj.weight"]), None
 
-    x, _ = jax.lax.scan(layer, x, (params[DRAFT_LAYERS], cache.k, cache.v))
-    h = rms_norm(x[1:k + 1], params["norm.weight"], eps)  # [k, D]
-    return unembed(target_params, target_cfg, h.astype(target_params["model.embed_tokens.weight"].dtype))
+def block_mask(anchors: jax.Array, block_size: int, context: int) -> jax.Array:
+    """Training attention mask [N*B, context + N*B] of N packed blocks (anchors [N]).
+
+    A row of block n sees the context rows strictly before anchors[n] and every row of
+    block n (bidirectional), never a row of another block.
+    """
+    owner = jnp.repeat(jnp.arange(anchors.shape[0]), block_size)  # [N*B] block of each row
+    ctx = jnp.arange(context)[None, :] < jnp.repeat(anchors, block_size)[:, None]  # [N*B, T]
+    return jnp.concatenate([ctx, owner[:, None] == owner[None, :]], axis=1)
+
+
+@partial(jax.jit, static_argnames=("cfg", "target_cfg"))
+def block_logits(params: Params, cfg: DFlashConfig, target_params: Params, target_cfg: Qwen3Config,
+                 features: jax.Array, block_ids: jax.Array, anchors: jax.Array) -> jax.Array:
+    """Training forward: logits [N, B-1, V] (float32) of N blocks of one sequence in one pass.
+
+    features [T, n*D] are the target taps of positions 0 .. T-1 (concatenated in
+    target_layer_ids order); block n has tokens block_ids[n] [B] at positions
+    anchors[n] .. anchors[n]+B-1 and sees only context before its anchor (block_mask), so
+    its row k equals draft_block's row k with the context cut at the anchor: the
+    prediction of the token at anchors[n] + k (row 0 is dropped).
+    """
+    n_blocks, b = block_ids.shape
+    t = features.shape[0]
+    embed = target_params["model.embed_tokens.weight"]
+    ctx_k, ctx_v = _context_kv(params, cfg, features, jnp.arange(t, dtype=jnp.int32))  # [L, K, T, E]
+    x = embed[block_ids.reshape(-1)].astype(params["fc.weight"].dtype)  # [N*B, D]
+    q_pos = (anchors[:, None] + jnp.arange(b, dtype=jnp.int32)).reshape(-1)  # [N*B]
+    h = _block_pass(params, cfg, x, q_pos, ctx_k, ctx_v, block_mask(anchors, b, t))
+    return unembed(target_params, target_cfg, h.reshape(n_blocks, b, -1)[:, 1:].astype(embed.dtype))
 
 
 @partial(jax.jit, static_argnames=("cfg", "target_cfg", "k", "sampling"))

@@ -17,6 +17,7 @@ from .sampling import Sampling
 
 PREFILL_CHUNK = 128
 MIN_CAPACITY = 256
+CAPACITY_STEP = 256
 
 
 class GenerationError(ValueError):
@@ -101,13 +102,15 @@ class GenerateResult:
     stopped: bool = False  # a stop id ended generation (it is the last token)
 
 
-def capacity_for(total: int, model: Model) -> int:
-    """Static cache size for `total` tokens plus verify slack: a power of two (few compiles)."""
-    need = total + steps.BUCKETS[-1] + PREFILL_CHUNK
-    cap = MIN_CAPACITY
-    while cap < need:
-        cap *= 2
-    return cap
+def capacity_for(total: int) -> int:
+    """Static cache size for `total` tokens plus verify and prefill-padding slack.
+
+    Rounded up to a multiple of CAPACITY_STEP: attention spans the whole capacity, so
+    finer steps cost less per token; each distinct capacity compiles once (and is kept by
+    the persistent compilation cache).
+    """
+    need = max(total + steps.BUCKETS[-1] + PREFILL_CHUNK, MIN_CAPACITY)
+    return -(-need // CAPACITY_STEP) * CAPACITY_STEP
 
 
 def run_prefill(model: Model, kv: kvlib.KVCache, tokens: np.ndarray, seed: jax.Array, sampling: Sampling,
@@ -141,9 +144,9 @@ def _validate(model: Model, ids: np.ndarray, max_new_tokens: int, capacity: int 
         raise GenerationError(f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                               f"max_position_embeddings ({model.config.max_position_embeddings})")
     if capacity is None:
-        return capacity_for(total, model)
+        return capacity_for(total)
     need = total + steps.BUCKETS[-1]
-    if capacity < need or capacity % 16 or capacity < min(PREFILL_CHUNK, capacity) * -(-len(ids) // PREFILL_CHUNK):
+    if capacity < need or capacity % 16:
         raise GenerationError(f"capacity {capacity} is too small (or not a multiple of 16) for a prompt of "
                               f"{len(ids)} tokens plus {max_new_tokens} new tokens (needs >= {need})")
     return capacity

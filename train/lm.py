@@ -66,8 +66,11 @@ class TrainConfig:
 
 
 @functools.cache
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-    """Clip, then AdamW with warmup-cosine schedule; no decay on norm weights and biases."""
+def make_optimizer(tc: Any) -> optax.GradientTransformation:
+    """Clip, then AdamW with warmup-cosine schedule; no decay on norm weights and biases.
+
+    `tc` is any frozen config with steps, lr, warmup, weight_decay and clip (TrainConfig,
+    train.dflash.DFlashTrainConfig)."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup, tc.steps, end_value=tc.lr * 0.1)
 
     def decay_mask(params: Any) -> Any:
@@ -189,10 +192,10 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
     tokens_per_step = tc.batch * tc.seq
     print(f"{n_params / 1e6:.2f}M parameters; {tc.steps} steps of {tokens_per_step} tokens")
 
-    def save() -> None:
+    def save(step: int) -> None:
         ckpts.save(step, {"params": params, "opt_state": opt_state}, record)
 
-    def evaluate() -> None:
+    def evaluate(step: int) -> None:
         loss = float(np.mean([loss_fn(params, cfg, w) for w in heldout]))
         row = {"step": step, "tokens": step * tokens_per_step, "heldout_loss": loss, "time": time.time()}
         if heldout_bytes_per_token:
@@ -202,57 +205,96 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
             if export_dir:
                 export(export_dir, params, cfg, tokenizer_dir)
                 row["exported"] = str(export_dir)
-        with open(ckpt_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_metrics(ckpt_dir, row)
         tqdm.write(f"step {step}: held-out loss {loss:.4f}" + (" (exported)" if "exported" in row else ""))
 
+    def advance(step: int) -> dict:
+        nonlocal params, opt_state
+        params, opt_state, loss = train_step(params, opt_state, batch_at(train_tokens, tc, step))
+        return {"loss": loss}
+
+    try:
+        step = run_steps(tc, step, advance, evaluate, save, tokens_per_step)
+    finally:
+        ckpts.close()
+    return {"params": params, "opt_state": opt_state, "step": step}
+
+
+def append_metrics(directory: Path, row: dict) -> None:
+    """Append one JSON row to ``<directory>/metrics.jsonl``."""
+    with open(Path(directory) / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def run_steps(tc: Any, step: int, advance: Callable[[int], dict], evaluate: Callable[[int], None],
+              save: Callable[[int], None], tokens_per_step: int) -> int:
+    """Drive a training loop from ``step`` to ``tc.steps``; returns the last step done.
+
+    ``advance(s)`` runs step s and returns its metrics ({"loss": ...} at least, shown on a
+    tqdm bar over tokens); ``evaluate(s)`` runs every ``tc.eval_every`` steps and at the
+    end; ``save(s)`` every ``tc.save_every_minutes`` (0: every step), at the end and on
+    Ctrl-C or SIGTERM (see :func:`_interrupt`). A non-finite loss raises without saving.
+    """
     bar = tqdm(total=tc.steps * tokens_per_step, initial=step * tokens_per_step, unit="tok",
                unit_scale=True, mininterval=1 if sys.stderr.isatty() else 60)
     last_save = time.monotonic()
     try:
         while step < tc.steps:
-            params, opt_state, loss = train_step(params, opt_state, batch_at(train_tokens, tc, step))
+            metrics = {k: float(v) for k, v in advance(step).items()}
             step += 1
-            loss = float(loss)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"training loss is {loss} at step {step}")
+            if not math.isfinite(metrics["loss"]):
+                raise FloatingPointError(f"training loss is {metrics['loss']} at step {step}")
             bar.update(tokens_per_step)
-            bar.set_postfix(step=step, loss=f"{loss:.3f}", refresh=False)
+            bar.set_postfix(step=step, **{k: f"{v:.3f}" for k, v in metrics.items()}, refresh=False)
             if step % tc.eval_every == 0 or step == tc.steps:
-                evaluate()
+                evaluate(step)
             if time.monotonic() - last_save >= tc.save_every_minutes * 60:
-                save()
+                save(step)
                 last_save = time.monotonic()
-        save()
+        save(step)
     except KeyboardInterrupt:
         tqdm.write(f"interrupted: saving step {step}")
-        save()
+        save(step)
     finally:
         bar.close()
-        ckpts.close()
-    return {"params": params, "opt_state": opt_state, "step": step}
+    return step
 
 
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One ``--flag-name`` per field of the dataclass ``cls`` (bool fields: store_true)."""
+    d = cls()
+    for f in dataclasses.fields(cls):
+        default = getattr(d, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", default=default)
+        else:
+            parser.add_argument(flag, type=type(default), default=default)
+
+
+def config_from_args(args: argparse.Namespace, cls: type) -> Any:
+    """The ``cls`` instance of the flags added by :func:`add_config_flags`."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
 def main(presets: dict[str, Qwen3Config], default: str, argv: Sequence[str] | None, prog: str,
          description: str) -> None:
     """CLI shared by ``train.target`` and ``train.draft``: flags mirror :class:`TrainConfig`."""
-    d = TrainConfig()
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", choices=sorted(presets), default=default, help="model preset")
     p.add_argument("--data", type=Path, default=Path("runs/data"), help="shard dir (python -m train.tokenizer --shards)")
     p.add_argument("--tokenizer", type=Path, default=Path("checkpoints/tiny-code"), help="tokenizer dir copied into exports")
     p.add_argument("--ckpt-dir", type=Path, help="orbax checkpoints and metrics.jsonl (default runs/<config>)")
     p.add_argument("--export", type=Path, help="HF model folder written whenever held-out loss improves")
-    for f in dataclasses.fields(TrainConfig):
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(getattr(d, f.name)), default=getattr(d, f.name))
+    add_config_flags(p, TrainConfig)
     args = p.parse_args(argv)
     enable_compilation_cache()
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` saves like Ctrl-C
-    tc = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    tc = config_from_args(args, TrainConfig)
     meta = json.loads((args.data / "meta.json").read_text())
     cfg = dataclasses.replace(presets[args.config], max_position_embeddings=tc.seq, eos_token_id=meta["eos_id"])
     train(cfg, tc, load_shard(args.data / "train.npy"), load_shard(args.data / "heldout.npy"),

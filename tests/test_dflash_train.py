@@ -1,0 +1,260 @@
+"""DFlash drafter training (train.dflash): the block mask, training forward == inference
+forward, labels and loss weights, resumable data, and a short run that learns and resumes."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from conftest import hf_tiny
+from specjax import dflash, qwen3
+from specjax.dflash import append_context, block_logits, block_mask, draft_block, init_cache
+from train import dflash as trainer
+from train.dflash_data import DataConfig, generate_data, reply_lengths
+
+B = 8  # block size of the test drafters
+TC = trainer.DFlashTrainConfig(steps=80, batch=4, anchors=8, lr=2e-2, warmup_ratio=0.1, eval_every=80,
+                               eval_tokens=32, save_every_minutes=100)
+DC = DataConfig(prompts=8, prompt_len=16, response_len=48, edit_share=0.0, lookup_k=0, shard_size=3)
+
+
+def _assert_trees_equal(a, b):
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def cyclic(tmp_path_factory):
+    """(target, successor table) of a tiny Qwen3 whose greedy reply to anything is the
+    walk x -> succ[x] along one cycle over tokens 1..100: layers write nothing to the
+    residual stream and the untied head row succ[x] is x's embedding. What it says is
+    learnable in a few dozen steps, which makes the training run deterministic and robust."""
+    import torch
+
+    folder = tmp_path_factory.mktemp("cyclic")
+    ref = hf_tiny(folder, seed=1, tie_word_embeddings=False, eos_token_id=0)
+    order = torch.randperm(100, generator=torch.Generator().manual_seed(0)) + 1
+    succ = torch.zeros(101, dtype=torch.long)
+    succ[order] = torch.roll(order, -1)
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        ref.model.norm.weight.fill_(1.0)
+        ref.model.embed_tokens.weight.mul_(0.1)  # logits of order 1: a calm start for the drafter
+        head = torch.zeros_like(ref.lm_head.weight)
+        head[succ[1:]] = ref.model.embed_tokens.weight[1:]
+        ref.lm_head.weight.copy_(head)
+    ref.save_pretrained(folder)
+    return specjax.load(folder), succ.numpy()
+
+
+@pytest.fixture(scope="module")
+def data(cyclic, tmp_path_factory):
+    target, _ = cyclic
+    shard = np.random.default_rng(0).integers(1, 101, 1000).astype(np.uint16)
+    return generate_data(target, DC, tmp_path_factory.mktemp("data"), shard)
+
+
+def _cfg(target):
+    return dflash.config_for(target.config, num_layers=2, block_size=B, target_layer_ids=(0, 2), mask_token_id=100)
+
+
+@pytest.fixture(scope="module")
+def packed(tiny):
+    """A random drafter for the random tiny target and one packed training example."""
+    target = tiny[2]
+    cfg = _cfg(target)
+    params = dflash.init_params(cfg, jax.random.key(1), std=0.2)
+    tokens = np.random.default_rng(2).integers(0, 101, 24).astype(np.int32)
+    _, _, taps = qwen3.hidden_states(target.params, target.config, tokens[None], np.arange(24)[None],
+                                     taps=cfg.target_layer_ids)  # [n, 1, T, D]
+    anchors = np.array([9, 3, 14], np.int32)  # overlapping blocks, not sorted
+    ids = trainer.block_tokens(jnp.asarray(tokens), anchors, B, cfg.mask_token_id)
+    return target, cfg, params, tokens, np.asarray(taps[:, 0]), anchors, np.asarray(ids)
+
+
+def _features(taps):
+    return taps.transpose(1, 0, 2).reshape(taps.shape[1], -1)  # [n, T, D] -> [T, n*D]
+
+
+# ------------------------------------------------------------------------ block mask
+
+def test_block_mask_structure():
+    anchors, t = np.array([5, 2, 9]), 12
+    mask = np.asarray(block_mask(jnp.asarray(anchors), 4, t))
+    assert mask.shape == (12, t + 12)
+    for row in range(12):
+        n = row // 4
+        np.testing.assert_array_equal(mask[row, :t], np.arange(t) < anchors[n])  # strictly before the anchor
+        np.testing.assert_array_equal(mask[row, t:], np.arange(12) // 4 == n)    # own block only, both ways
+
+
+def test_blocks_see_only_earlier_context_and_themselves(packed):
+    target, cfg, params, _, taps, anchors, ids = packed
+    feats = _features(taps)
+    rng = np.random.default_rng(3)
+
+    def logits(f, i, a):
+        return np.asarray(block_logits(params, cfg, target.params, target.config, f, i, a))
+
+    base = logits(feats, ids, anchors)
+    for n, a in enumerate(anchors):
+        later = feats.copy()
+        later[a:] = 5 * rng.standard_normal(later[a:].shape)  # the anchor's own features and after
+        others = ids.copy()
+        others[np.arange(len(anchors)) != n] = rng.integers(0, 101, (len(anchors) - 1, B))
+        moved = anchors.copy()
+        moved[np.arange(len(anchors)) != n] = rng.integers(0, 16, len(anchors) - 1)
+        got = logits(later, others, moved)
+        np.testing.assert_allclose(got[n], base[n], atol=1e-5, rtol=0)
+        earlier = feats.copy()
+        earlier[a - 1] += 1.0
+        assert np.abs(logits(earlier, ids, anchors)[n] - base[n]).max() > 1e-3  # the context does matter
+
+
+def test_training_forward_equals_inference(packed):
+    """Each packed block == draft_block after append_context of the features before its anchor."""
+    target, cfg, params, tokens, taps, anchors, ids = packed
+    got = np.asarray(block_logits(params, cfg, target.params, target.config, _features(taps), ids, anchors))
+    assert got.shape == (3, B - 1, 101)
+    for n, a in enumerate(anchors):
+        cache = append_context(params, cfg, init_cache(cfg, 64), taps[:, :a], np.int32(a), np.arange(a))
+        want = draft_block(params, cfg, cache, target.params, target.config, tokens[a], np.int32(a), k=B - 1)
+        assert np.abs(got[n] - np.asarray(want)).max() <= 1e-4
+
+
+# ------------------------------------------------------------------ labels and loss
+
+def test_default_gamma():
+    assert [trainer.default_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
+    assert trainer.default_gamma(12) == pytest.approx(5 + 2 / 3) and trainer.default_gamma(4) == 4.0
+
+
+def test_labels_and_weights_by_hand():
+    tokens = jnp.arange(12) + 10  # the token at position p is 10 + p
+    anchors, valid = jnp.array([2, 6, 3]), jnp.array([True, True, False])
+    np.testing.assert_array_equal(trainer.block_tokens(tokens, anchors, 4, 99),
+                                  [[12, 99, 99, 99], [16, 99, 99, 99], [13, 99, 99, 99]])
+    labels, weights = trainer.block_targets(tokens, anchors, valid, jnp.int32(9), 4, 2.0)
+    np.testing.assert_array_equal(labels[:2], [[13, 14, 15], [17, 18, 19]])  # row k -> token at anchor + k
+    e = np.exp(-np.arange(3) / 2.0)
+    np.testing.assert_allclose(weights, [e, [e[0], e[1], 0.0], [0, 0, 0]], rtol=1e-6)  # position 9 >= length 9
+
+    v = 20
+    logits = np.zeros((3, 3, v), np.float32)
+    right = [[True, True, False], [True, False, True], [True, True, True]]
+    for n in range(3):
+        for k in range(3):
+            logits[n, k, int(labels[n, k]) if right[n][k] else 0] = 8.0
+    loss, tau = trainer.block_loss(jnp.asarray(logits), labels, weights, valid)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    ce = -np.take_along_axis(logp, np.asarray(labels)[..., None], -1)[..., 0]
+    w = np.asarray(weights)
+    assert float(loss) == pytest.approx((w * ce).sum() / w.sum(), rel=1e-5)
+    assert float(tau) == pytest.approx(1 + (2 + 1) / 2)  # leading right rows of the two valid blocks
+
+
+def test_anchors_lie_in_the_reply():
+    rng = np.random.default_rng(0)
+    anchors, valid = trainer.sample_anchors(np.array([20, 12, 11]), 10, 4, rng)
+    a = anchors[0]
+    assert valid[0].all() and np.all(np.diff(a) > 0) and a.min() >= 10 and a.max() <= 18
+    assert valid[1].tolist() == [True, False, False, False] and anchors[1, 0] == 10
+    assert not valid[2].any()  # a reply of one token has no anchor with a token after it
+
+
+# ------------------------------------------------------------------------------ data
+
+def test_reply_lengths():
+    seqs = np.array([[5, 0, 7, 8, 0, 0], [5, 6, 7, 8, 9, 1], [0, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(reply_lengths(seqs, 2, (0,)), [5, 6, 3])
+
+
+def test_data_are_the_targets_replies_and_resume(cyclic, data, tmp_path, monkeypatch):
+    target, succ = cyclic
+    assert data.tokens.shape == (DC.prompts, DC.prompt_len + DC.response_len) and data.prompt_len == DC.prompt_len
+    for row in data.tokens:
+        np.testing.assert_array_equal(row[DC.prompt_len:], succ[row[DC.prompt_len - 1:-1]])  # the greedy walk
+    shard = np.random.default_rng(0).integers(1, 101, 1000).astype(np.uint16)
+    real, calls = specjax.generate, []
+
+    def killed_on_fifth(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(specjax, "generate", killed_on_fifth)
+    with pytest.raises(KeyboardInterrupt):
+        generate_data(target, DC, tmp_path, shard)
+    assert sorted(p.name for p in tmp_path.glob("seqs-*.npy")) == ["seqs-00000.npy"]
+    again = generate_data(target, DC, tmp_path)  # prompts.npy is there: no shard needed
+    assert len(calls) == 5 + DC.prompts - DC.shard_size  # the killed call, then the rest
+    np.testing.assert_array_equal(again.tokens, data.tokens)
+    with pytest.raises(ValueError, match="another plan or target"):
+        generate_data(target, dataclasses.replace(DC, response_len=40), tmp_path)
+    retrained = dataclasses.replace(target, params={**target.params, "model.embed_tokens.weight":
+                                                    1.5 * target.params["model.embed_tokens.weight"]})
+    with pytest.raises(ValueError, match="another plan or target"):
+        generate_data(retrained, DC, tmp_path)
+
+
+# ---------------------------------------------------------------------------- training
+
+def test_short_run_lowers_loss_and_raises_tau(cyclic, data, tmp_path):
+    target, _ = cyclic
+    cfg = _cfg(target)
+    prompts = [("train", row[:DC.prompt_len]) for row in data.tokens[:4]]
+    out = trainer.train(target, cfg, TC, data, tmp_path / "run", tmp_path / "out", prompts)
+    assert out["step"] == TC.steps
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "tau" in r]
+    assert [r["step"] for r in evals] == [0, TC.steps]
+    before, after = evals
+    assert before["tau"] < 1.5 and after["tau"] > before["tau"] + 1.5, (before, after)
+    assert len(after["acceptance_by_position"]) == B - 1 and after["by_kind"]["train"]["tau"] == after["tau"]
+
+    batch = trainer.batch_at(data, TC, 0)
+    loss_fn = jax.jit(trainer.loss_fn, static_argnums=(1, 3, 4))
+    gamma = trainer.default_gamma(B)
+    first = loss_fn(trainer.initial_state(cfg, TC)["params"], cfg, target.params, target.config, gamma, batch)
+    last = loss_fn(out["params"], cfg, target.params, target.config, gamma, batch)
+    assert float(last[0]) < float(first[0]) - 1.0 and float(last[1]) > float(first[1])
+
+    exported = specjax.load_dflash(tmp_path / "out", target)  # written when tau improved
+    assert exported.cfg == cfg
+    assert trainer.evaluate_tau(target, exported, prompts, TC.eval_tokens)["tau"] > before["tau"] + 1.0
+
+
+def test_kill_and_resume_continues_identically(cyclic, data, tmp_path, monkeypatch):
+    target, _ = cyclic
+    cfg = _cfg(target)
+    tc = trainer.DFlashTrainConfig(steps=6, batch=2, anchors=4, lr=1e-2, log_every=2, save_every_minutes=0)
+    full = trainer.train(target, cfg, tc, data, tmp_path / "full")
+
+    real_batch_at = trainer.batch_at
+
+    def crash_at_step_4(data, tc, step):
+        if step == 4:
+            raise RuntimeError("killed")
+        return real_batch_at(data, tc, step)
+
+    monkeypatch.setattr(trainer, "batch_at", crash_at_step_4)
+    with pytest.raises(RuntimeError, match="killed"):
+        trainer.train(target, cfg, tc, data, tmp_path / "resumed")
+    monkeypatch.setattr(trainer, "batch_at", real_batch_at)
+    resumed = trainer.train(target, cfg, tc, data, tmp_path / "resumed")
+    assert full["step"] == resumed["step"] == tc.steps
+    _assert_trees_equal(full["params"], resumed["params"])
+    _assert_trees_equal(full["opt_state"], resumed["opt_state"])
+    for run in ("full", "resumed"):
+        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [2, 4, 6] and all("train_loss" in r for r in rows)

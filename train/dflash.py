@@ -1,0 +1,325 @@
+"""Train a DFlash drafter for a Qwen3 target: ``python -m train.dflash --target DIR --out DIR``.
+
+The recipe of reference/dflash.md section 5, sized by flags:
+
+1. Data (:mod:`train.dflash_data`): the target's replies to training-corpus prompts,
+   generated once into ``--data`` (resumable token shards).
+2. Each step takes ``batch`` sequences and computes the frozen target's residual stream
+   at ``target_layer_ids`` online (``qwen3.hidden_states``; no feature cache). Per
+   sequence ``anchors`` random reply positions a each start a block [token a, mask x
+   (B-1)] at positions a .. a+B-1 that sees the context strictly before a and its own
+   block only (``dflash.block_logits``: one packed pass per sequence). Block row k
+   predicts token a+k; cross-entropy weighted exp(-(k-1)/gamma), normalised by the
+   weight sum; embedding and head are the target's and stay frozen. AdamW with warmup +
+   cosine and clipping 1.0 (``train.lm.make_optimizer``).
+3. Every ``eval_every`` steps (and at step 0) real DFlash speculative generation on
+   held-out edit and completion prompts (:mod:`train.prompts`) measures tau (mean
+   accepted drafts + 1 per verify step) and acceptance by draft position, appended to
+   ``<run>/metrics.jsonl``; whenever tau improves the drafter is exported to ``--out``
+   in the public format (``specjax.load_dflash`` reads it).
+
+Resume: orbax checkpoints in ``<run>/orbax`` (``train.lm.Checkpoints``), saved every
+``save_every_minutes``, on Ctrl-C / ``kill`` and at the end; the batch of step s is a
+pure function of (seed, s), so a resumed run continues exactly as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import signal
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+import specjax
+from specjax import dflash, qwen3
+from specjax.checkpoint import Params
+from specjax.config import Qwen3Config
+from specjax.dflash import DFlashConfig
+from specjax.loop import Stats
+from train import lm
+from train.data import load_shard
+from train.dflash_data import DataConfig, Sequences, generate_data
+from train.prompts import completion_prompts, edit_prompts
+
+GAMMAS = {8: 4.0, 10: 5.0, 16: 7.0}  # loss decay per block size (dflash.md section 5)
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's gamma for `block_size`: linear between its three values, clamped outside."""
+    sizes = sorted(GAMMAS)
+    return float(np.interp(block_size, sizes, [GAMMAS[b] for b in sizes]))
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashTrainConfig:
+    """Optimisation and bookkeeping settings (flags of ``python -m train.dflash``)."""
+
+    steps: int = 2000
+    batch: int = 8             # sequences per step
+    anchors: int = 16          # blocks per sequence
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    gamma: float = 0.0         # 0: default_gamma(block_size)
+    log_every: int = 20        # training loss rows in metrics.jsonl
+    eval_every: int = 200
+    eval_tokens: int = 96      # new tokens per evaluation prompt
+    save_every_minutes: float = 5.0
+    seed: int = 0
+
+    @property
+    def warmup(self) -> int:
+        return max(1, round(self.warmup_ratio * self.steps))
+
+
+# ------------------------------------------------------------------------------ loss
+
+def block_tokens(tokens: jax.Array, anchors: jax.Array, block_size: int, mask_id: int) -> jax.Array:
+    """Block inputs [N, B]: the anchor's token, then mask tokens (tokens [S], anchors [N])."""
+    ids = jnp.full((anchors.shape[0], block_size), mask_id, jnp.int32)
+    return ids.at[:, 0].set(tokens[anchors])
+
+
+def block_targets(tokens: jax.Array, anchors: jax.Array, valid: jax.Array, length: jax.Array,
+                  block_size: int, gamma: float) -> tuple[jax.Array, jax.Array]:
+    """Labels and loss weights [N, B-1] of block rows k = 1 .. B-1: the token at anchor + k,
+    weighted exp(-(k-1)/gamma) if that position is before `length` and the block is valid."""
+    k = jnp.arange(1, block_size)
+    pos = anchors[:, None] + k  # [N, B-1]
+    labels = tokens[jnp.minimum(pos, tokens.shape[0] - 1)]
+    weights = jnp.exp(-(k - 1) / gamma) * ((pos < length) & valid[:, None])
+    return labels, weights
+
+
+def loss_fn(params: Params, cfg: DFlashConfig, target_params: Params, target_cfg: Qwen3Config, gamma: float,
+            batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """(weighted cross-entropy, train tau) of a batch: tokens [Bt, S], lengths [Bt],
+    anchors and valid [Bt, N]. Train tau is 1 + the mean leading run of right argmax
+    predictions per valid block (what greedy verification would accept)."""
+    tokens, anchors, valid = batch["tokens"], batch["anchors"], batch["valid"]
+    bt, s = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), tokens.shape)
+    _, _, taps = qwen3.hidden_states(target_params, target_cfg, tokens, positions, taps=cfg.target_layer_ids)
+    features = jax.lax.stop_gradient(taps.transpose(1, 2, 0, 3).reshape(bt, s, -1))  # [Bt, S, n*D]
+    ids = jax.vmap(lambda t, a: block_tokens(t, a, cfg.block_size, cfg.mask_token_id))(tokens, anchors)
+    logits = jax.vmap(lambda f, i, a: dflash.block_logits(params, cfg, target_params, target_cfg, f, i, a))(
+        features, ids, anchors)  # [Bt, N, B-1, V]
+    labels, weights = jax.vmap(lambda t, a, v, n: block_targets(t, a, v, n, cfg.block_size, gamma))(
+        tokens, anchors, valid, batch["lengths"])
+    return block_loss(logits, labels, weights, valid)
+
+
+def block_loss(logits: jax.Array, labels: jax.Array, weights: jax.Array, valid: jax.Array
+               ) -> tuple[jax.Array, jax.Array]:
+    """(sum of weighted cross-entropies / sum of weights, train tau) of block logits
+    [..., N, B-1, V], labels and weights [..., N, B-1] and valid blocks [..., N]."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    loss = (weights * ce).sum() / jnp.maximum(weights.sum(), 1e-9)
+    right = (jnp.argmax(logits, axis=-1) == labels) & (weights > 0)
+    run = jnp.cumprod(right, axis=-1).sum(axis=-1)  # [..., N] leading right predictions
+    tau = 1.0 + (run * valid).sum() / jnp.maximum(valid.sum(), 1)
+    return loss, tau
+
+
+@functools.cache
+def make_train_step(cfg: DFlashConfig, target_cfg: Qwen3Config, tc: DFlashTrainConfig) -> Callable:
+    """Jitted ``(params, opt_state, target_params, batch) -> (params, opt_state, loss, tau)``;
+    donates the drafter state; the target's params are only read."""
+    optimizer = lm.make_optimizer(tc)
+    gamma = tc.gamma or default_gamma(cfg.block_size)
+
+    def step(params, opt_state, target_params, batch):
+        (loss, tau), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, cfg, target_params, target_cfg, gamma, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, tau
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def initial_state(cfg: DFlashConfig, tc: DFlashTrainConfig) -> dict:
+    """Fresh {"params", "opt_state"} of a drafter (float32 master weights)."""
+    params = dflash.init_params(cfg, jax.random.key(tc.seed))
+    return {"params": params, "opt_state": lm.make_optimizer(tc).init(params)}
+
+
+def sample_anchors(lengths: np.ndarray, prompt_len: int, n: int, rng: np.random.Generator
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """n distinct sorted reply positions per sequence with a real token after them:
+    (anchors [Bt, n] int32, valid [Bt, n]); short replies pad with invalid blocks."""
+    anchors = np.full((len(lengths), n), prompt_len, np.int32)
+    valid = np.zeros((len(lengths), n), bool)
+    for i, length in enumerate(lengths):
+        candidates = np.arange(prompt_len, length - 1)
+        pick = np.sort(rng.choice(candidates, min(n, candidates.size), replace=False))
+        anchors[i, :pick.size] = pick
+        valid[i, :pick.size] = True
+    return anchors, valid
+
+
+def batch_at(data: Sequences, tc: DFlashTrainConfig, step: int) -> dict[str, np.ndarray]:
+    """The training batch of `step` (a pure function of seed, step and the data)."""
+    rng = np.random.default_rng((tc.seed, step))
+    rows = rng.choice(len(data.tokens), tc.batch, replace=len(data.tokens) < tc.batch)
+    anchors, valid = sample_anchors(data.lengths[rows], data.prompt_len, tc.anchors, rng)
+    return {"tokens": data.tokens[rows], "lengths": data.lengths[rows], "anchors": anchors, "valid": valid}
+
+
+# ------------------------------------------------------------------------ evaluation
+
+def acceptance(stats: Sequence[Stats]) -> dict[str, Any]:
+    """Pooled over generations: tau (mean accepted + 1 per verify step) and P(draft i
+    accepted | judged) by position."""
+    steps = sum(s.steps for s in stats)
+    width = max((len(s.reached) for s in stats), default=0)
+    reached, accepted_at = np.zeros(width), np.zeros(width)
+    for s in stats:
+        reached[:len(s.reached)] += s.reached
+        accepted_at[:len(s.accepted_at)] += s.accepted_at
+    return {"tau": 1.0 + sum(s.accepted for s in stats) / max(steps, 1), "steps": steps,
+            "acceptance_by_position": (accepted_at / np.maximum(reached, 1)).round(4).tolist()}
+
+
+def evaluate_tau(target: specjax.Model, drafter: dflash.Drafter, prompts: Sequence[tuple[str, Sequence[int]]],
+                 max_new_tokens: int) -> dict[str, Any]:
+    """Greedy DFlash speculative generation on (kind, ids) prompts: acceptance() over all
+    prompts, plus one per kind under "by_kind"."""
+    runs: dict[str, list[Stats]] = {}
+    proposer = specjax.DFlashProposer(drafter)
+    for kind, ids in prompts:
+        res = specjax.generate(target, ids, max_new_tokens=max_new_tokens, stop_ids=target.eos_ids,
+                               speculative=proposer)
+        runs.setdefault(kind, []).append(res.stats)
+    out = acceptance([s for group in runs.values() for s in group])
+    out["by_kind"] = {kind: acceptance(group) for kind, group in runs.items()}
+    return out
+
+
+def heldout_prompts(tokenizer: Any, n: int, prompt_len: int) -> list[tuple[str, list[int]]]:
+    """n held-out edit and n completion prompts (train.prompts) as (kind, ids)."""
+    made = edit_prompts(tokenizer, n, prompt_len) + completion_prompts(tokenizer, n, prompt_len)
+    return [(p.kind, p.ids) for p in made]
+
+
+# ---------------------------------------------------------------------------- loop
+
+def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data: Sequences, run_dir: Path,
+          out_dir: Path | None = None, eval_prompts: Sequence[tuple[str, Sequence[int]]] = ()) -> dict:
+    """Train (or resume) a drafter until ``tc.steps``; returns {"params", "opt_state", "step"}.
+
+    metrics.jsonl gets a row of mean training loss and train tau every ``tc.log_every``
+    steps, and with `eval_prompts` a row of evaluate_tau() at step 0 of a fresh run and
+    every ``tc.eval_every`` steps (rows with "tau").
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dflash.check_fits(cfg, target.config, "train.dflash")
+    train_step = make_train_step(cfg, target.config, tc)
+    ckpts = lm.Checkpoints(run_dir)
+    step = ckpts.latest_step() or 0
+    record = {"best_tau": None, "drafter": cfg.to_hf()}
+    fresh = functools.partial(initial_state, cfg, tc)
+    if step == 0:
+        state = jax.jit(fresh)()
+    else:
+        state, record = ckpts.restore(jax.eval_shape(fresh))
+        if record["drafter"] != cfg.to_hf():
+            raise ValueError(f"{run_dir}: checkpoint is of another drafter config; use a fresh --run folder")
+        print(f"resumed from {run_dir} at step {step}")
+    params, opt_state = state["params"], state["opt_state"]
+    tokens_per_step = tc.batch * data.tokens.shape[1]
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    print(f"drafter: {n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, block {cfg.block_size}; "
+          f"{len(data.tokens)} sequences of {data.tokens.shape[1]}; {tc.steps} steps of {tokens_per_step} tokens")
+    window: list[tuple[float, float]] = []  # (loss, train tau) of the steps since the last log row
+
+    def advance(step: int) -> dict:
+        nonlocal params, opt_state
+        params, opt_state, loss, tau = train_step(params, opt_state, target.params, batch_at(data, tc, step))
+        window.append((float(loss), float(tau)))
+        if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
+            loss_mean, tau_mean = np.mean(window, axis=0)
+            lm.append_metrics(run_dir, {"step": step + 1, "tokens": (step + 1) * tokens_per_step, "time": time.time(),
+                                        "train_loss": float(loss_mean), "train_tau": float(tau_mean)})
+            window.clear()
+        return {"loss": loss, "train_tau": tau}
+
+    def evaluate(step: int) -> None:
+        if not eval_prompts:
+            return
+        drafter = dflash.Drafter(params, cfg, jnp.float32)
+        row = {"step": step, "tokens": step * tokens_per_step, "time": time.time(),
+               **evaluate_tau(target, drafter, eval_prompts, tc.eval_tokens)}
+        if record["best_tau"] is None or row["tau"] > record["best_tau"]:
+            record["best_tau"] = row["tau"]
+            if out_dir:
+                dflash.save_dflash(out_dir, drafter)
+                row["exported"] = str(out_dir)
+        lm.append_metrics(run_dir, row)
+        tqdm.write(f"step {step}: tau {row['tau']:.3f} " + " ".join(
+            f"{k} {v['tau']:.3f}" for k, v in row["by_kind"].items()) + (" (exported)" if "exported" in row else ""))
+
+    def save(step: int) -> None:
+        ckpts.save(step, {"params": params, "opt_state": opt_state}, record)
+
+    try:
+        if step == 0:
+            evaluate(0)
+        step = lm.run_steps(tc, step, advance, evaluate, save, tokens_per_step)
+    finally:
+        ckpts.close()
+    return {"params": params, "opt_state": opt_state, "step": step}
+
+
+def _layer_ids(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m train.dflash", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", type=Path, required=True, help="Qwen3 model folder (with tokenizer)")
+    p.add_argument("--out", type=Path, required=True, help="drafter folder, written whenever eval tau improves")
+    p.add_argument("--run", type=Path, help="orbax checkpoints and metrics.jsonl (default runs/<out name>)")
+    p.add_argument("--data", type=Path, help="generated sequences (default <run>/data)")
+    p.add_argument("--shards", type=Path, default=Path("runs/data"), help="corpus shards (train.npy) for prompts")
+    p.add_argument("--layers", type=int, default=2, help="drafter layers")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--target-layer-ids", type=_layer_ids, help="comma-separated taps (default: z-lab's spread)")
+    p.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts per workload (edit, complete)")
+    p.add_argument("--eval-prompt-len", type=int, default=300)
+    lm.add_config_flags(p, DataConfig)
+    lm.add_config_flags(p, DFlashTrainConfig)
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lm._interrupt)  # `kill` saves like Ctrl-C
+    target = specjax.load(args.target)
+    tok = target.tokenizer
+    if tok is None:
+        p.error(f"{args.target}: no tokenizer files (needed for prompts)")
+    dc, tc = lm.config_from_args(args, DataConfig), lm.config_from_args(args, DFlashTrainConfig)
+    cfg = dflash.config_for(target.config, args.layers, args.block_size, args.target_layer_ids, tok.mask_token_id)
+    run = args.run or Path("runs") / args.out.name
+    data_dir, shard = args.data or run / "data", args.shards / "train.npy"
+    if not (data_dir / "prompts.npy").is_file() and not shard.is_file():
+        p.error(f"{shard}: not found (build it with python -m train.tokenizer --shards, or pass --shards)")
+    try:
+        data = generate_data(target, dc, data_dir, load_shard(shard) if shard.is_file() else None)
+    except KeyboardInterrupt:
+        print("interrupted: finished shards are kept; rerun to continue")
+        return
+    train(target, cfg, tc, data, run, args.out, heldout_prompts(tok, args.eval_prompts, args.eval_prompt_len))
+
+
+if __name__ == "__main__":
+    main()
