@@ -12,6 +12,17 @@ class ConfigError(ValueError):
     """A config.json that specjax cannot run exactly."""
 
 
+def read_json(path: str | Path) -> dict[str, Any]:
+    """A config file's dict; a missing or malformed file is a ConfigError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
     """Static architecture of a Qwen3 decoder; hashable so it can key compiled steps."""
@@ -94,14 +105,7 @@ class Qwen3Config:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Qwen3Config":
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: config file not found")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from e
-        return cls.from_hf(raw, str(path))
+        return cls.from_hf(read_json(path), str(path))
 
     def to_hf(self) -> dict[str, Any]:
         """The HF `config.json` dict (transformers 4.x and 5.x both read it)."""

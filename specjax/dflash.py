@@ -40,7 +40,7 @@ from flax import struct
 from . import checkpoint
 from . import sampling as smp
 from .checkpoint import LAYERS, CheckpointError, Params
-from .config import ConfigError, Qwen3Config
+from .config import ConfigError, Qwen3Config, read_json
 from .model import Model
 from .qwen3 import attend_masked, linear, rms_norm, rope, unembed
 from .sampling import Sampling
@@ -134,14 +134,7 @@ class DFlashConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "DFlashConfig":
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: config file not found")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from e
-        return cls.from_hf(raw, str(path))
+        return cls.from_hf(read_json(path), str(path))
 
     def to_hf(self) -> dict[str, Any]:
         """The public config.json dict (z-lab's keys; loads back with from_hf)."""
