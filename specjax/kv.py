@@ -69,11 +69,20 @@ def write(pool: jax.Array, layer: jax.Array, new: jax.Array, page_table: jax.Arr
     return pool
 
 
-def read(pool: jax.Array, layer: jax.Array, page_table: jax.Array) -> jax.Array:
-    """One layer's slots of every row, as [B, K, S, E] (slot index = absolute position)."""
-    pages = pool[layer][:, page_table]  # [K, B, S/Z, Z, E]
-    k, b, n, z, e = pages.shape
-    return pages.reshape(k, b, n * z, e).transpose(1, 0, 2, 3)
+def layer_slots(pool: jax.Array, layer: jax.Array) -> jax.Array:
+    """One layer's whole pool as [K, P * Z, E] slots in physical order (no copy of pages)."""
+    _, k, p, z, e = pool.shape
+    return pool[layer].reshape(k, p * z, e)
+
+
+def slot_positions(page_table: jax.Array, n_pages: int, page_size: int) -> jax.Array:
+    """[B, P * Z] absolute position that each physical slot holds for each row; slots of
+    pages a row does not own get int32 max, so no query of that row ever sees them."""
+    b, per_row = page_table.shape
+    logical = jnp.full((b, n_pages), -1, jnp.int32).at[jnp.arange(b)[:, None], page_table].set(
+        jnp.arange(per_row, dtype=jnp.int32))
+    pos = logical[:, :, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)
+    return jnp.where(logical[:, :, None] >= 0, pos, jnp.iinfo(jnp.int32).max).reshape(b, n_pages * page_size)
 
 
 def truncate(kv: KVCache, lengths: jax.Array) -> KVCache:

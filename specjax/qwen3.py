@@ -65,6 +65,25 @@ def attend_masked(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     return out.reshape(b, kh, t, g, e).transpose(0, 2, 1, 3, 4).reshape(b, t, h * e)
 
 
+def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention of every row over one shared key set: q [B, T, H, E],
+    k/v [K, S, E] (a layer's whole page pool), mask [B, T, S].
+
+    Rows are folded into the query rows ([K, B*T*G, E]) so the pool is read in place, with
+    no per-row gather of pages (a copy of the cache per layer per step).
+    """
+    b, t, h, e = q.shape
+    kh = k.shape[0]
+    g = h // kh
+    qg = q.reshape(b, t, kh, g, e).transpose(2, 0, 1, 3, 4).reshape(kh, b * t * g, e)
+    scores = jax.lax.dot_general(qg, k, (((2,), (2,)), ((0,), (0,))),
+                                 preferred_element_type=jnp.float32) * (e ** -0.5)  # [K, B*T*G, S]
+    rows = jnp.broadcast_to(mask[:, :, None, :], (b, t, g, mask.shape[-1])).reshape(b * t * g, -1)
+    probs = jax.nn.softmax(jnp.where(rows[None], scores, -jnp.inf), axis=-1).astype(v.dtype)
+    out = jax.lax.dot_general(probs, v, (((2,), (1,)), ((0,), (0,))))  # [K, B*T*G, E]
+    return out.reshape(kh, b, t, g, e).transpose(1, 2, 0, 3, 4).reshape(b, t, h * e)
+
+
 def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
            cache: tuple | None, layer: jax.Array) -> tuple[jax.Array, tuple | None]:
     """One decoder layer; returns the new residual stream and the updated pools."""
@@ -79,16 +98,15 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
              positions, cfg.rope_theta)
     v = v.reshape(b, t, nk, hd)
     if cache is None:
-        keys, values, k_pos = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions
+        attn = attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions, positions)
     else:
-        k_pool, v_pool, page_table, page_size = cache
+        k_pool, v_pool, page_table, page_size, slot_pos = cache
         k_pool = kvlib.write(k_pool, layer, k, page_table, positions[:, 0], page_size)
         v_pool = kvlib.write(v_pool, layer, v, page_table, positions[:, 0], page_size)
-        keys = kvlib.read(k_pool, layer, page_table)
-        values = kvlib.read(v_pool, layer, page_table)
-        k_pos = jnp.broadcast_to(jnp.arange(keys.shape[2]), (b, keys.shape[2]))
-        cache = (k_pool, v_pool, page_table, page_size)
-    attn = attend(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos)
+        mask = slot_pos[:, None, :] <= positions[:, :, None]  # [B, T, P*Z]
+        attn = attend_pool(q, kvlib.layer_slots(k_pool, layer).astype(q.dtype),
+                           kvlib.layer_slots(v_pool, layer).astype(q.dtype), mask)
+        cache = (k_pool, v_pool, page_table, page_size, slot_pos)
     x = x + linear(attn, lp["self_attn.o_proj.weight"], lp.get("self_attn.o_proj.bias"))
     h = rms_norm(x, lp["post_attention_layernorm.weight"], cfg.rms_norm_eps)
     gate, up = jnp.split(linear(h, lp["mlp.gate_up_proj.weight"]), 2, axis=-1)
@@ -111,11 +129,12 @@ def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions
     def body(carry, xs):
         x, pools = carry
         lp, layer = xs
-        c = None if pools is None else (*pools, kv.page_table, kv.page_size)
+        c = None if pools is None else (*pools, kv.page_table, kv.page_size, slot_pos)
         x, c = _layer(cfg, lp, x, positions, c, layer)
         return (x, None if c is None else c[:2]), (x if taps else None)
 
     pools = None if cache is None else cache[:2]
+    slot_pos = None if kv is None else kvlib.slot_positions(kv.page_table, kv.k.shape[2], kv.page_size)
     layer_ids = jnp.arange(cfg.num_hidden_layers)
     (x, pools), per_layer = jax.lax.scan(body, (x, pools), (params[LAYERS], layer_ids))
     h = rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps)

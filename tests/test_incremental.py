@@ -62,3 +62,28 @@ def test_truncate_then_decode_equals_fresh(model, rng):
     got, _ = _step(model, cache, nxt)
     want = _full(model, np.concatenate([committed, nxt]))[22:]
     assert np.abs(got - want).max() <= 1e-5
+
+
+def test_shuffled_pages_two_rows_equal_dense(model, rng):
+    """Two rows sharing one pool through a shuffled page table, at different lengths."""
+    v, cap, z = model.config.vocab_size, 64, 8
+    cache = kvlib.init(model.config, 2, cap, page_size=z)
+    perm = rng.permutation(2 * cap // z).astype(np.int32).reshape(2, cap // z)
+    cache = cache.replace(page_table=jnp.asarray(perm))
+    seqs = [rng.integers(0, v, 30), rng.integers(0, v, 30)]
+    starts = [0, 0]
+    got = [[], []]
+    for n0, n1 in [(9, 13), (6, 1), (7, 8), (8, 8)]:  # per-row chunk sizes, one call per pair (T = max)
+        t = max(n0, n1)
+        toks = np.zeros((2, t), np.int64)
+        pos = np.zeros((2, t), np.int64)
+        for r, n in enumerate((n0, n1)):
+            toks[r, :n] = seqs[r][starts[r]:starts[r] + n]
+            pos[r] = starts[r] + np.arange(t)
+        logits, cache, _ = qwen3.forward(model.params, model.config, jnp.asarray(toks), jnp.asarray(pos), cache)
+        for r, n in enumerate((n0, n1)):
+            got[r].append(np.asarray(logits[r, :n]))
+            starts[r] += n
+    for r in range(2):
+        want = _full(model, seqs[r][:starts[r]])
+        assert np.abs(np.concatenate(got[r]) - want).max() <= 1e-5
