@@ -31,6 +31,12 @@ def _k_or_auto(text: str) -> int | str:
     return "auto" if text == "auto" else _positive(text)
 
 
+def _sibling(model: Path, suffix: str) -> Path | None:
+    """checkpoints/<name>-<suffix> next to a model folder, if it is there."""
+    path = model.parent / f"{model.name}-{suffix}"
+    return path if path.is_dir() else None
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text, streaming it as it is produced")
     p.add_argument("--model", type=Path, default=None, help="HF Qwen3 folder (default: checkpoints/tiny-code)")
@@ -55,7 +61,9 @@ def _add_generate(sub) -> None:
                       help="DFlash drafts per step (default: block_size - 1, at most 15); auto: adaptive k")
     spec.add_argument("--sample-drafts", action="store_true",
                       help="sample draft-model / DFlash tokens (general acceptance rule)")
-    p.add_argument("--no-speculate", action="store_true", help="plain decoding")
+    p.add_argument("--no-speculate", action="store_true",
+                   help="plain decoding (default without proposer flags: adaptive k over prompt lookup and "
+                        "the model's shipped -draft / -dflash siblings)")
 
 
 def _add_bench(sub) -> None:
@@ -85,8 +93,7 @@ def _bench(args) -> int:
     from .bench import BenchConfig, run
 
     model = args.model or default_model()
-    sibling = lambda suffix: (p if (p := model.parent / f"{model.name}-{suffix}").is_dir() else None)
-    kw = dict(model=model, draft=args.draft or sibling("draft"), dflash=args.dflash or sibling("dflash"),
+    kw = dict(model=model, draft=args.draft or _sibling(model, "draft"), dflash=args.dflash or _sibling(model, "dflash"),
               hf=not args.no_hf, out=args.out)
     for name in ("prompts", "reps", "new_tokens", "prompt_tokens"):
         if getattr(args, name) is not None:
@@ -134,8 +141,12 @@ def _proposer(args, target):
     if args.dflash is not None:
         k = None if args.dflash_k in (None, "auto") else args.dflash_k
         chosen.append((DFlashProposer(load_dflash(args.dflash, target), k=k, sample=args.sample_drafts), args.dflash_k))
-    if not chosen:
-        return None
+    if not chosen:  # default: adaptive over prompt lookup and any shipped sibling drafters
+        chosen = [(NgramProposer(k=15), "auto")]
+        if (draft := _sibling(args.model or default_model(), "draft")) is not None:
+            chosen.append((DraftProposer(load(draft, target.dtype), k=7), "auto"))
+        if (dflash := _sibling(args.model or default_model(), "dflash")) is not None:
+            chosen.append((DFlashProposer(load_dflash(dflash, target)), "auto"))
     if len(chosen) > 1 or chosen[0][1] == "auto":
         return Adaptive(*(p for p, _ in chosen))
     return chosen[0][0]
@@ -144,8 +155,8 @@ def _proposer(args, target):
 class _Streamer:
     """Prints text as tokens arrive, holding back incomplete UTF-8 sequences."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tok, self.out, self.ids, self.shown = tokenizer, out, [], 0
+    def __init__(self, tokenizer, out=None):
+        self.tok, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], 0
 
     def __call__(self, new: list[int]) -> None:
         self.ids += new

@@ -1,0 +1,45 @@
+"""`specjax generate` streams text, reports stats, equals plain decoding, and exits 2 on bad input."""
+
+import pytest
+
+from specjax.cli import main
+from test_bench import _random_model
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    _random_model(root / "m-draft", 16, 1, 4)
+    return _random_model(root / "m", 32, 2, 3)
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_streams_and_speculation_changes_nothing(folder, capsys):
+    base = ["generate", "--model", str(folder), "--prompt", "def f(x):\n    return x\n" * 3, "--max-new-tokens", "12"]
+    code, plain, err = _run(capsys, *base, "--no-speculate")
+    assert code == 0 and plain and "12 tokens" in err and "tok/s" in err and "prefill" in err
+    for flags in (["--speculate", "3"], ["--speculate", "auto"], ["--draft", str(folder.parent / "m-draft")], []):
+        code, text, err = _run(capsys, *base, *flags)
+        assert code == 0 and text == plain, flags
+        assert "tokens/step" in err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["generate", "--model", "/nonexistent", "--prompt", "x"], "not a directory"),
+    (["generate", "--prompt", "x", "--max-new-tokens", "0"], "max-new-tokens"),
+    (["generate", "--prompt", "x", "--top-p", "0"], "top_p"),
+    (["generate", "--prompt", "x", "--speculate", "99"], "k must be"),
+    (["generate", "--prompt-file", "/nonexistent.txt"], "no such file"),
+])
+def test_bad_input_exits_2(argv, match, capsys, folder):
+    if "--model" not in argv:
+        argv = argv[:1] + ["--model", str(folder)] + argv[1:]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert match in capsys.readouterr().err
