@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
+
+WARMUP_TOKENS = 256  # a warm-up as long as the run (up to this) touches every shape the run will
+
 
 class UsageError(ValueError):
     """A command-line request that cannot be served."""
@@ -61,6 +65,8 @@ def _add_generate(sub) -> None:
                       help="DFlash drafts per step (default: block_size - 1, at most 15); auto: adaptive k")
     spec.add_argument("--sample-drafts", action="store_true",
                       help="sample draft-model / DFlash tokens (general acceptance rule)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the short warm-up generation that compiles the steps before the timed run")
     p.add_argument("--no-speculate", action="store_true",
                    help="plain decoding (default without proposer flags: adaptive k over prompt lookup and "
                         "the model's shipped -draft / -dflash siblings)")
@@ -169,7 +175,7 @@ class _Streamer:
 
 
 def _generate(args) -> int:
-    from .loop import generate
+    from .loop import capacity_for, generate
     from .model import load
     from .sampling import Sampling
 
@@ -181,11 +187,16 @@ def _generate(args) -> int:
     ids = _prompt_ids(args, model.tokenizer)
     proposer = _proposer(args, model)
     stream = _Streamer(model.tokenizer)
-    res = generate(model, ids, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed,
-                   stop_ids=model.eos_ids, speculative=proposer, on_tokens=stream)
+    kw = dict(sampling=sampling, seed=args.seed, stop_ids=model.eos_ids, speculative=proposer,
+              capacity=capacity_for(len(ids) + args.max_new_tokens))
+    t0 = time.perf_counter()
+    if not args.no_warmup:  # compile (or load from the persistent cache) the steps this run will use
+        generate(model, ids, max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens), **kw)
+    warm_s = time.perf_counter() - t0
+    res = generate(model, ids, max_new_tokens=args.max_new_tokens, on_tokens=stream, **kw)
     s = res.stats
     line = (f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, prefill {s.prefill_s * 1e3:.0f} ms "
-            f"({s.prompt_tokens} prompt tokens)")
+            f"({s.prompt_tokens} prompt tokens), warm-up {warm_s:.1f} s")
     if proposer is not None:
         acc = s.accepted / s.drafted if s.drafted else 0.0
         line += f", {s.tokens_per_step:.2f} tokens/step, {acc:.0%} of drafts accepted"
