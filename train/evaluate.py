@@ -34,13 +34,14 @@ def heldout_loss(model: specjax.Model, tokens: np.ndarray, seq: int = 512, windo
     return float(np.mean(losses))
 
 
-def rename_accuracy(model: specjax.Model, n: int, prompt_tokens: int = 600) -> dict:
+def rename_accuracy(model: specjax.Model, n: int, prompt_tokens: int = 300) -> dict:
     """Fraction of held-out rename edits whose greedy reply is exactly the renamed snippet."""
     tok = model.tokenizer
     right = 0
     for p in edit_prompts(tok, n, prompt_tokens, seed=1):
         want = len(tok(p.answer)["input_ids"])
-        out = specjax.generate(model, p.ids, max_new_tokens=want + 8, stop_ids=model.eos_ids,
+        room = model.config.max_position_embeddings - len(p.ids)
+        out = specjax.generate(model, p.ids, max_new_tokens=min(want + 8, room), stop_ids=model.eos_ids,
                                speculative=specjax.NgramProposer(k=7))
         right += tok.decode(out.tokens).startswith(p.answer)
     return {"edits": n, "exact": right, "accuracy": right / n}
