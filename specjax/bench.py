@@ -145,14 +145,39 @@ def _hf_runner(cfg: BenchConfig) -> Callable | None:
 
 # ---------------------------------------------------------------- step-cost profile
 
+# Qwen3-4B's published shape (tied embeddings, 36 layers); weights are random for timing.
+QWEN3_4B_SHAPE = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+
+
+def random_model(shape: dict, dtype: str) -> Model:
+    """A random-weight model of a given shape, for step timings only."""
+    import jax
+    from . import checkpoint
+    from .config import Qwen3Config
+
+    cfg = Qwen3Config(**shape)
+    return Model(cfg, checkpoint.init_params(cfg, jax.random.key(0), dtype=dtype), jax.numpy.dtype(dtype))
+
+
 def measure_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
-    """Memory bandwidth in GB/s from a large copy (bytes read + written), median of reps."""
-    src = np.ones(nbytes // 4, np.float32)
-    dst = np.empty_like(src)
+    """Memory bandwidth in GB/s from a large copy (bytes read + written), median of reps:
+    NumPy on the CPU (a jitted copy there mostly measures page faults of its new output),
+    a jitted on-device copy on an accelerator."""
+    import jax
+    import jax.numpy as jnp
+
+    if jax.default_backend() == "cpu":
+        src, dst = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
+        copy = lambda: np.copyto(dst, src)
+    else:
+        x = jnp.ones(nbytes // 4, jnp.float32)
+        f = jax.jit(lambda a: a * 1.0001)
+        copy = lambda: f(x).block_until_ready()
     times = []
     for _ in range(reps + 1):
         t = time.perf_counter()
-        np.copyto(dst, src)
+        copy()
         times.append(time.perf_counter() - t)
     return 2 * nbytes / statistics.median(times[1:]) / 1e9
 
@@ -240,6 +265,11 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     log(f"step profile: decode {results['profile']['decode_ms']:.2f} ms = "
         f"{results['profile']['decode_over_floor']:.2f}x the floor; ratios "
         + ", ".join(f"T={t}: {r:.2f}" for t, r in results["profile"]["ratio_to_T1"].items()))
+    import jax
+    if jax.default_backend() != "cpu":  # absolute step times of a real-sized model against the floor
+        results["gpu_profile"] = step_profile(random_model(QWEN3_4B_SHAPE, "bfloat16"), cfg.profile_ts, context=1024)
+        log(f"Qwen3-4B shape, bf16: decode {results['gpu_profile']['decode_ms']:.2f} ms = "
+            f"{results['gpu_profile']['decode_over_floor']:.2f}x the floor")
     write(results, cfg.out)
     return results
 

@@ -80,3 +80,13 @@ def test_stats_agree_with_generate(results):
         assert row["tokens_per_step"] == out.stats.tokens_per_step
         assert row["accept_hist"] == out.stats.accept_hist
         assert row["verify_tokens_per_token"] == out.stats.verify_tokens_per_token
+
+
+def test_random_model_profile_runs_on_any_backend():
+    """The path `bench` takes on a GPU (a Qwen3-4B-shaped random model), here at a toy shape."""
+    shape = dict(bench.QWEN3_4B_SHAPE, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = bench.random_model(shape, "float32")
+    prof = bench.step_profile(model, (1, 2), context=64, rounds=2)
+    assert prof["weight_bytes"] == sum(x.nbytes for x in jax.tree.leaves(model.params))
+    assert prof["ratio_to_T1"][1] == 1.0 and prof["floor_ms"] > 0
