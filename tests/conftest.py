@@ -45,6 +45,22 @@ def tiny(tmp_path_factory):
     return ref, folder, specjax.load(folder)
 
 
+def run_crashing_at(monkeypatch, module, step: int, run) -> None:
+    """Run `run()` with module.batch_at raising at `step` (a kill -9: no final save), then
+    restore batch_at; the caller resumes and compares against an uninterrupted run."""
+    real = module.batch_at
+
+    def crashing(data, tc, s):
+        if s == step:
+            raise RuntimeError("killed")
+        return real(data, tc, s)
+
+    monkeypatch.setattr(module, "batch_at", crashing)
+    with pytest.raises(RuntimeError, match="killed"):
+        run()
+    monkeypatch.setattr(module, "batch_at", real)
+
+
 @pytest.fixture(scope="session")
 def calm(tmp_path_factory):
     """(transformers model, specjax model) with init 0.1: logits and residuals of order 1-10,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import specjax
-from conftest import hf_tiny
+from conftest import hf_tiny, run_crashing_at
 from specjax import dflash, qwen3
 from specjax.dflash import append_context, block_logits, block_mask, draft_block, init_cache
 from train import dflash as trainer
@@ -240,17 +240,7 @@ def test_kill_and_resume_continues_identically(cyclic, data, tmp_path, monkeypat
     tc = trainer.DFlashTrainConfig(steps=6, batch=2, anchors=4, lr=1e-2, log_every=2, save_every_minutes=0)
     full = trainer.train(target, cfg, tc, data, tmp_path / "full")
 
-    real_batch_at = trainer.batch_at
-
-    def crash_at_step_4(data, tc, step):
-        if step == 4:
-            raise RuntimeError("killed")
-        return real_batch_at(data, tc, step)
-
-    monkeypatch.setattr(trainer, "batch_at", crash_at_step_4)
-    with pytest.raises(RuntimeError, match="killed"):
-        trainer.train(target, cfg, tc, data, tmp_path / "resumed")
-    monkeypatch.setattr(trainer, "batch_at", real_batch_at)
+    run_crashing_at(monkeypatch, trainer, 4, lambda: trainer.train(target, cfg, tc, data, tmp_path / "resumed"))
     resumed = trainer.train(target, cfg, tc, data, tmp_path / "resumed")
     assert full["step"] == resumed["step"] == tc.steps
     _assert_trees_equal(full["params"], resumed["params"])

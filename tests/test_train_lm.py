@@ -4,9 +4,9 @@ import json
 
 import jax
 import numpy as np
-import pytest
 
 from specjax.config import Qwen3Config
+from conftest import run_crashing_at
 from train import lm
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -44,17 +44,7 @@ def test_kill_and_resume_continues_identically(tmp_path, monkeypatch):
     train_tokens, heldout = _tokens(1, 4000), _tokens(2, 1000)
     full = lm.train(CFG, TC, train_tokens, heldout, tmp_path / "full", export_dir=tmp_path / "export")
 
-    real_batch_at = lm.batch_at
-
-    def crash_at_step_4(tokens, tc, step):
-        if step == 4:
-            raise RuntimeError("killed")
-        return real_batch_at(tokens, tc, step)
-
-    monkeypatch.setattr(lm, "batch_at", crash_at_step_4)
-    with pytest.raises(RuntimeError, match="killed"):
-        lm.train(CFG, TC, train_tokens, heldout, tmp_path / "resumed")
-    monkeypatch.setattr(lm, "batch_at", real_batch_at)
+    run_crashing_at(monkeypatch, lm, 4, lambda: lm.train(CFG, TC, train_tokens, heldout, tmp_path / "resumed"))
 
     ckpts = lm.Checkpoints(tmp_path / "resumed")
     assert ckpts.latest_step() == 4
