@@ -51,7 +51,7 @@ def _analytic_best(alpha, verify, propose_per_draft, candidates):
 VERIFY = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.6, 16: 2.2}
 
 
-@pytest.mark.parametrize("alpha_value,propose,expect", [(0.95, 0.0, 15), (0.8, 0.02, 7), (0.3, 0.0, 1), (0.05, 0.2, 0)])
+@pytest.mark.parametrize("alpha_value,propose,expect", [(0.95, 0.0, 15), (0.85, 0.02, 7), (0.3, 0.0, 1), (0.05, 0.2, 0)])
 def test_chooser_converges_to_analytic_best(alpha_value, propose, expect, rng):
     alpha = np.full(15, alpha_value)
     best = _analytic_best(alpha, VERIFY, propose, [1, 3, 7, 15])
