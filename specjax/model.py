@@ -18,14 +18,13 @@ from .runtime import enable_compilation_cache
 
 @dataclasses.dataclass(eq=False)
 class Model:
-    """What `specjax.load` returns; `generate` takes it. Compiled steps are cached per model."""
+    """What `specjax.load` returns; `generate` takes it."""
 
     config: Qwen3Config
     params: Params
     dtype: Any
     tokenizer: Any = None
     path: Path | None = None
-    _steps: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:

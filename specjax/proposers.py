@@ -120,7 +120,7 @@ class DraftProposer:
             raise ProposerError(
                 f"draft model{where} has vocab_size {self.model.config.vocab_size}, "
                 f"target has {target.config.vocab_size}: they must share a vocabulary")
-        return _DraftSession(self, capacity, seed, sampling, prompt)
+        return _DraftSession(self, capacity, seed, sampling)
 
 
 class _DraftSession:
@@ -131,7 +131,7 @@ class _DraftSession:
     appends the tokens it missed with the chunked prefill.
     """
 
-    def __init__(self, spec: DraftProposer, capacity: int, seed: int, sampling: Sampling, prompt: np.ndarray):
+    def __init__(self, spec: DraftProposer, capacity: int, seed: int, sampling: Sampling):
         m = spec.model
         self.spec, self.seed, self.sampling = spec, jnp.uint32(seed), sampling
         self.sample = spec.sample and not sampling.greedy

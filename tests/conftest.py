@@ -45,6 +45,17 @@ def tiny(tmp_path_factory):
     return ref, folder, specjax.load(folder)
 
 
+def assert_trees_equal(a, b) -> None:
+    """Same tree structure and bit-identical leaves."""
+    import jax
+
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def run_crashing_at(monkeypatch, module, step: int, run) -> None:
     """Run `run()` with module.batch_at raising at `step` (a kill -9: no final save), then
     restore batch_at; the caller resumes and compares against an uninterrupted run."""

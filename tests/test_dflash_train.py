@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import specjax
-from conftest import hf_tiny, run_crashing_at
+from conftest import assert_trees_equal, hf_tiny, run_crashing_at
 from specjax import dflash, qwen3
 from specjax.dflash import append_context, block_logits, block_mask, draft_block, init_cache
 from train import dflash as trainer
@@ -20,14 +20,6 @@ B = 8  # block size of the test drafters
 TC = trainer.DFlashTrainConfig(steps=80, batch=4, anchors=8, lr=2e-2, warmup_ratio=0.1, eval_every=80,
                                eval_tokens=32, save_every_minutes=100)
 DC = DataConfig(prompts=8, prompt_len=16, response_len=48, edit_share=0.0, lookup_k=0, shard_size=3)
-
-
-def _assert_trees_equal(a, b):
-    leaves_a, tree_a = jax.tree.flatten(a)
-    leaves_b, tree_b = jax.tree.flatten(b)
-    assert tree_a == tree_b
-    for x, y in zip(leaves_a, leaves_b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.fixture(scope="module")
@@ -243,8 +235,8 @@ def test_kill_and_resume_continues_identically(cyclic, data, tmp_path, monkeypat
     run_crashing_at(monkeypatch, trainer, 4, lambda: trainer.train(target, cfg, tc, data, tmp_path / "resumed"))
     resumed = trainer.train(target, cfg, tc, data, tmp_path / "resumed")
     assert full["step"] == resumed["step"] == tc.steps
-    _assert_trees_equal(full["params"], resumed["params"])
-    _assert_trees_equal(full["opt_state"], resumed["opt_state"])
+    assert_trees_equal(full["params"], resumed["params"])
+    assert_trees_equal(full["opt_state"], resumed["opt_state"])
     for run in ("full", "resumed"):
         rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [2, 4, 6] and all("train_loss" in r for r in rows)

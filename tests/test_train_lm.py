@@ -2,11 +2,10 @@
 
 import json
 
-import jax
 import numpy as np
 
 from specjax.config import Qwen3Config
-from conftest import run_crashing_at
+from conftest import assert_trees_equal, run_crashing_at
 from train import lm
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -17,14 +16,6 @@ TC = lm.TrainConfig(steps=6, batch=2, seq=16, lr=1e-2, warmup=2, eval_every=3, e
 
 def _tokens(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, CFG.vocab_size, n).astype(np.uint16)
-
-
-def _assert_trees_equal(a, b):
-    leaves_a, tree_a = jax.tree.flatten(a)
-    leaves_b, tree_b = jax.tree.flatten(b)
-    assert tree_a == tree_b
-    for x, y in zip(leaves_a, leaves_b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_loss_decreases_on_a_fixed_batch():
@@ -51,8 +42,8 @@ def test_kill_and_resume_continues_identically(tmp_path, monkeypatch):
     ckpts.close()
     resumed = lm.train(CFG, TC, train_tokens, heldout, tmp_path / "resumed")
     assert full["step"] == resumed["step"] == TC.steps
-    _assert_trees_equal(full["params"], resumed["params"])
-    _assert_trees_equal(full["opt_state"], resumed["opt_state"])
+    assert_trees_equal(full["params"], resumed["params"])
+    assert_trees_equal(full["opt_state"], resumed["opt_state"])
 
     rows = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [3, 6]
