@@ -14,12 +14,13 @@ from conftest import assert_trees_equal, hf_tiny, run_crashing_at
 from specjax import dflash, qwen3
 from specjax.dflash import append_context, block_logits, block_mask, draft_block, init_cache
 from train import dflash as trainer
+from train import dflash_data
 from train.dflash_data import DataConfig, generate_data, reply_lengths
 
 B = 8  # block size of the test drafters
 TC = trainer.DFlashTrainConfig(steps=80, batch=4, anchors=8, lr=2e-2, warmup_ratio=0.1, eval_every=80,
                                eval_tokens=32, save_every_minutes=100)
-DC = DataConfig(prompts=8, prompt_len=16, response_len=48, edit_share=0.0, lookup_k=0, shard_size=3)
+DC = DataConfig(prompts=8, prompt_len=16, response_len=48, edit_share=0.0, shard_size=3)
 
 
 @pytest.fixture(scope="module")
@@ -176,20 +177,20 @@ def test_data_are_the_targets_replies_and_resume(cyclic, data, tmp_path, monkeyp
     for row in data.tokens:
         np.testing.assert_array_equal(row[DC.prompt_len:], succ[row[DC.prompt_len - 1:-1]])  # the greedy walk
     shard = np.random.default_rng(0).integers(1, 101, 1000).astype(np.uint16)
-    real, calls = specjax.generate, []
+    real, calls = dflash_data.replies, []
 
-    def killed_on_fifth(*args, **kwargs):
+    def killed_on_second(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 5:
+        if len(calls) == 2:
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(specjax, "generate", killed_on_fifth)
+    monkeypatch.setattr(dflash_data, "replies", killed_on_second)
     with pytest.raises(KeyboardInterrupt):
         generate_data(target, DC, tmp_path, shard)
     assert sorted(p.name for p in tmp_path.glob("seqs-*.npy")) == ["seqs-00000.npy"]
     again = generate_data(target, DC, tmp_path)  # prompts.npy is there: no shard needed
-    assert len(calls) == 5 + DC.prompts - DC.shard_size  # the killed call, then the rest
+    assert len(calls) == 2 + 2  # the killed call, then one batch per remaining shard
     np.testing.assert_array_equal(again.tokens, data.tokens)
     with pytest.raises(ValueError, match="another plan or target"):
         generate_data(target, dataclasses.replace(DC, response_len=40), tmp_path)
@@ -197,6 +198,19 @@ def test_data_are_the_targets_replies_and_resume(cyclic, data, tmp_path, monkeyp
                                                     1.5 * target.params["model.embed_tokens.weight"]})
     with pytest.raises(ValueError, match="another plan or target"):
         generate_data(retrained, DC, tmp_path)
+
+
+@pytest.mark.parametrize("sampling", [specjax.Sampling(), specjax.Sampling(temperature=0.8, top_k=20, top_p=0.9)],
+                         ids=["greedy", "sampled"])
+def test_batched_replies_are_what_generate_says(calm, rng, sampling):
+    """All rows decoded at once (a short batch padded) == one specjax.generate per row."""
+    _, target = calm
+    prompts = rng.integers(0, 101, (3, 11)).astype(np.int32)
+    seeds = rng.integers(0, 2**20, 3)
+    got = dflash_data.replies(target, prompts, 20, sampling, seeds)
+    for row, seed, out in zip(prompts, seeds, got):
+        ref = specjax.generate(target, row, max_new_tokens=20, sampling=sampling, seed=int(seed))
+        np.testing.assert_array_equal(out, ref.tokens)
 
 
 # ---------------------------------------------------------------------------- training
