@@ -157,7 +157,8 @@ def random_model(shape: dict, dtype: str) -> Model:
     from .config import Qwen3Config
 
     cfg = Qwen3Config(**shape)
-    return Model(cfg, checkpoint.init_params(cfg, jax.random.key(0), dtype=dtype), jax.numpy.dtype(dtype))
+    params = checkpoint.unstack(checkpoint.init_params(cfg, jax.random.key(0), dtype=dtype))
+    return Model(cfg, params, jax.numpy.dtype(dtype))
 
 
 def measure_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:

@@ -91,8 +91,32 @@ def from_hf(tensors: dict[str, Any], cfg: Qwen3Config) -> Params:
     return params
 
 
+def unstack(params: Params) -> Params:
+    """Inference layout: the layers as a tuple of per-layer trees.
+
+    Each layer's weights are then separate buffers that a jitted step's dots read in
+    place; a stacked [L, ...] array is sliced per layer inside the step, and XLA:CPU copies
+    each slice before its dot (S config decode: 12.5 -> 6.5 ms without the cache).
+    The stacked layout stays the training one (one compiled layer body under lax.scan).
+    """
+    layers = params[LAYERS]
+    if isinstance(layers, tuple):
+        return params
+    n = len(next(iter(layers.values())))
+    return {**params, LAYERS: tuple({k: v[i] for k, v in layers.items()} for i in range(n))}
+
+
+def stack(params: Params) -> Params:
+    """Training layout (inverse of `unstack`; stacked trees pass through)."""
+    layers = params[LAYERS]
+    if not isinstance(layers, tuple):
+        return params
+    return {**params, LAYERS: {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0]}}
+
+
 def to_hf(params: Params, cfg: Qwen3Config) -> dict[str, Any]:
-    """Runtime tree back to HF flat names (inverse of `from_hf`)."""
+    """Runtime tree (either layout) back to HF flat names (inverse of `from_hf`)."""
+    params = stack(params)
     hd = cfg.head_dim
     splits = {
         "self_attn.qkv_proj": [cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd,

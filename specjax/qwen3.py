@@ -3,7 +3,9 @@
 Shape letters are those of kv.py. With `kv=None` attention is causal over the given tokens
 only (training, parity tests); with a KVCache the tokens' keys and values are written at
 their absolute positions first and every query attends to all slots at or before its own
-position (with a cache, each row's T positions must be contiguous). Numerics follow transformers' Qwen3: norms, softmax and logits in float32.
+position (with a cache, each row's T positions must be contiguous). Numerics follow
+transformers' Qwen3: norms, softmax and logits in float32. Layers run under `lax.scan` in
+the stacked (training) layout and as a Python loop in the unstacked (inference) one.
 """
 
 from __future__ import annotations
@@ -135,8 +137,14 @@ def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions
 
     pools = None if cache is None else cache[:2]
     slot_pos = None if kv is None else kvlib.slot_positions(kv.page_table, kv.k.shape[2], kv.page_size)
-    layer_ids = jnp.arange(cfg.num_hidden_layers)
-    (x, pools), per_layer = jax.lax.scan(body, (x, pools), (params[LAYERS], layer_ids))
+    if isinstance(params[LAYERS], tuple):  # inference layout: one traced copy per layer
+        per_layer = []
+        for i, lp in enumerate(params[LAYERS]):
+            (x, pools), out = body((x, pools), (lp, jnp.int32(i)))
+            per_layer.append(out)
+    else:  # training layout: one layer body under scan
+        layer_ids = jnp.arange(cfg.num_hidden_layers)
+        (x, pools), per_layer = jax.lax.scan(body, (x, pools), (params[LAYERS], layer_ids))
     h = rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps)
     tapped = None
     if taps:

@@ -87,3 +87,24 @@ def test_shuffled_pages_two_rows_equal_dense(model, rng):
     for r in range(2):
         want = _full(model, seqs[r][:starts[r]])
         assert np.abs(np.concatenate(got[r]) - want).max() <= 1e-5
+
+
+def test_stacked_and_unstacked_layouts_agree(model, rng):
+    """The training layout (scan over stacked layers) and the inference layout (a loop over
+    per-layer trees) give the same logits, cache contents and taps; stack inverts unstack."""
+    from conftest import assert_trees_equal
+    from specjax import checkpoint
+
+    stacked = checkpoint.stack(model.params)
+    assert not isinstance(stacked[checkpoint.LAYERS], tuple)
+    assert_trees_equal(checkpoint.unstack(stacked), model.params)
+    ids = rng.integers(0, model.config.vocab_size, 21)
+    taps = (0, model.config.num_hidden_layers - 1)
+    outs = []
+    for params in (stacked, model.params):
+        cache = kvlib.init(model.config, 1, 64)
+        logits, cache, tapped = qwen3.forward(params, model.config, jnp.asarray(ids)[None],
+                                              np.arange(len(ids))[None], cache, taps)
+        outs.append((np.asarray(logits), np.asarray(cache.k), np.asarray(cache.v), np.asarray(tapped)))
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
