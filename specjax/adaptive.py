@@ -14,6 +14,13 @@ step times measured in this run (seeded from CPU ratios in reference/cpu-facts.m
 drawn from the compiled verify buckets, so nothing compiles mid-run; k = 0 is a plain step.
 The first few steps time each candidate once (a calibration inside the run).
 
+Free proposers (prompt lookup: deterministic, costless) are not calibrated or probed:
+they are asked every step and their drafts are scored against the tokens committed
+later ("shadow" drafts), so their acceptance is known without verifying anything. Their
+estimates are kept per strength of evidence (`Proposal.match`, the n-gram length
+matched), so a 1-token match and a 3-token match are different arms: weak matches are
+not drafted on once they prove useless, strong ones are.
+
 Why this keeps decoding exact: the choice for a step is a function of the history only
 (committed tokens, past acceptance, past timings) and is fixed before any draft of that
 step exists. For a deterministic proposer each verify step commits exactly the tokens
@@ -22,7 +29,8 @@ step runs speculative sampling with a fixed k, whose emitted tokens follow the t
 distribution; by induction over steps so does the whole output. A chooser that looked at
 the current step's sampled draft values (e.g. cutting the block where the draft looks
 unsure) would condition on the draws and break this: see the DSpark counterexample
-(reference/dflash.md section 6.4).
+(reference/dflash.md section 6.4). Conditioning on a free proposer's current match is
+safe for the same reason k is: its drafts are a function of the history, not draws.
 """
 
 from __future__ import annotations
@@ -38,24 +46,35 @@ from . import steps
 from .proposers import Proposal, ProposerError
 from .sampling import Sampling
 
-# Verify step time t(T)/t(1) on 2 CPU cores (reference/cpu-facts.md section 8), the prior
-# until this run has measured a bucket.
-PRIOR_VERIFY_RATIO = {1: 1.0, 2: 1.2, 4: 1.5, 8: 1.9, 16: 2.4}
+# Verify step time t(T)/t(1), the prior until this run has measured a bucket: on CPU as
+# measured by `specjax bench` (tiny-code and the S config, context 512, 2 cores,
+# 2026-11-29); accelerators are far from compute-bound at these widths.
+CPU_VERIFY_RATIO = {1: 1.0, 2: 1.6, 4: 1.8, 8: 2.4, 16: 2.9}
+ACCELERATOR_VERIFY_RATIO = {1: 1.0, 2: 1.02, 4: 1.04, 8: 1.08, 16: 1.15}
+
+
+def prior_verify_ratio() -> dict[int, float]:
+    return CPU_VERIFY_RATIO if jax.default_backend() == "cpu" else ACCELERATOR_VERIFY_RATIO
 
 
 @dataclasses.dataclass
 class KChooser:
-    """Online estimates and the arg-max rule; pure bookkeeping, no model."""
+    """Online estimates and the arg-max rule over arms; pure bookkeeping, no model.
 
-    max_ks: Sequence[int]              # per proposer: the largest k it offers
+    An arm is a proposer (or, for a free one, a proposer at one match strength).
+    """
+
+    max_ks: Sequence[int]              # per arm: the largest k it offers
     prior_accept: float = 0.6
-    prior_propose_ratio: Sequence[float] = ()  # per proposer: propose cost per draft / t(1)
-    accept_decay: float = 0.95         # weight of the past in acceptance counts (~20 steps)
+    prior_propose_ratio: Sequence[float] = ()  # per arm: propose cost per draft / t(1)
+    accept_decay: float = 0.95         # weight of the past in acceptance counts (~20 judgements)
     cost_decay: float = 0.8            # and in step times
     pseudo: float = 2.0                # pseudo-observations of the prior per position
     probe_every: int = 16              # after this many plain steps in a row, try k > 0 again
-    accepts: np.ndarray = dataclasses.field(init=False)   # [proposers, positions] decayed counts
-    judged: np.ndarray = dataclasses.field(init=False)    # [proposers, positions] decayed counts
+    free: Sequence[bool] = ()          # per arm: judged by shadow drafts (see the module docstring)
+    prior_verify: dict[int, float] = dataclasses.field(default_factory=prior_verify_ratio)
+    accepts: np.ndarray = dataclasses.field(init=False)   # [arms, positions] decayed counts
+    judged: np.ndarray = dataclasses.field(init=False)    # [arms, positions] decayed counts
     verify_s: dict[int, float] = dataclasses.field(default_factory=dict)
     propose_s: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
     plain_streak: int = 0
@@ -65,10 +84,12 @@ class KChooser:
         self.judged = np.zeros_like(self.accepts)
         if not self.prior_propose_ratio:
             self.prior_propose_ratio = [0.0] * len(self.max_ks)
+        if not self.free:
+            self.free = [False] * len(self.max_ks)
 
-    def candidates(self, p: int) -> list[int]:
-        """k values that fill a compiled bucket (T = k + 1), plus the proposer's own max."""
-        top = self.max_ks[p]
+    def candidates(self, a: int) -> list[int]:
+        """k values that fill a compiled bucket (T = k + 1), plus the arm's own max."""
+        top = self.max_ks[a]
         return sorted({b - 1 for b in steps.BUCKETS[1:] if b - 1 <= top} | {top})
 
     def _unit(self) -> float:
@@ -77,61 +98,77 @@ class KChooser:
             return self.verify_s[1]
         if self.verify_s:
             w, s = next(iter(self.verify_s.items()))
-            return s / PRIOR_VERIFY_RATIO[w]
+            return s / self.prior_verify[w]
         return 1.0
 
     def verify_cost(self, k: int) -> float:
         w = steps.bucket(k + 1)
-        return self.verify_s.get(w, PRIOR_VERIFY_RATIO[w] * self._unit())
+        return self.verify_s.get(w, self.prior_verify[w] * self._unit())
 
-    def propose_cost(self, p: int, k: int) -> float:
-        return self.propose_s.get((p, k), self.prior_propose_ratio[p] * k * self._unit())
+    def propose_cost(self, a: int, k: int) -> float:
+        if self.free[a]:
+            return 0.0  # asked every step anyway
+        return self.propose_s.get((a, k), self.prior_propose_ratio[a] * k * self._unit())
 
-    def acceptance(self, p: int) -> np.ndarray:
+    def acceptance(self, a: int) -> np.ndarray:
         """Estimated P(draft j accepted | judged), j = 1 .. 15."""
         out = np.empty(self.accepts.shape[1])
         prior = self.prior_accept
         for j in range(len(out)):
-            prior = out[j] = (self.accepts[p, j] + self.pseudo * prior) / (self.judged[p, j] + self.pseudo)
+            prior = out[j] = (self.accepts[a, j] + self.pseudo * prior) / (self.judged[a, j] + self.pseudo)
         return out
 
-    def expected_tokens(self, p: int, k: int) -> float:
-        return 1.0 + float(np.sum(np.cumprod(self.acceptance(p)[:k])))
+    def expected_tokens(self, a: int, k: int) -> float:
+        return 1.0 + float(np.sum(np.cumprod(self.acceptance(a)[:k])))
 
-    def rate(self, p: int, k: int) -> float:
+    def rate(self, a: int, k: int, drafts: int | None = None) -> float:
+        """Expected tokens per second of arm a at k, when it has `drafts` drafts (None: k)."""
         if k == 0:
             return 1.0 / self.verify_cost(0)
-        return self.expected_tokens(p, k) / (self.verify_cost(k) + self.propose_cost(p, k))
+        n = k if drafts is None else min(k, drafts)
+        return self.expected_tokens(a, n) / (self.verify_cost(k) + self.propose_cost(a, k))
 
-    def choose(self) -> tuple[int, int]:
-        """(proposer, k) with the best expected rate; k = 0 means a plain step.
+    def choose(self, available: dict[int, int | None] | None = None) -> tuple[int, int]:
+        """(arm, k) with the best expected rate among `available` arms (arm -> drafts it
+        has, None: any number; default every arm); k = 0 means a plain step.
 
-        The first steps calibrate: each candidate not yet timed runs once.
+        The first steps calibrate: each candidate of a non-free arm not yet timed runs once.
         """
-        for p in range(len(self.max_ks)):
-            for k in [0] + self.candidates(p):
-                if steps.bucket(k + 1) not in self.verify_s or (k and (p, k) not in self.propose_s):
-                    return p, k
-        options = [(self.rate(p, k), -k, p, k) for p in range(len(self.max_ks)) for k in self.candidates(p)]
-        best = max(options)
-        if self.rate(0, 0) >= best[0] and self.plain_streak < self.probe_every:
+        if available is None:
+            available = {a: None for a in range(len(self.max_ks))}
+        if 1 not in self.verify_s:
             return 0, 0
+        for a in available:
+            for k in self.candidates(a) if not self.free[a] else ():
+                if steps.bucket(k + 1) not in self.verify_s or (a, k) not in self.propose_s:
+                    return a, k
+        options = [(self.rate(a, k, n), -k, a, k) for a, n in available.items() for k in self.candidates(a)]
+        plain = self.rate(0, 0)
+        best = max(options, default=(plain, 0, 0, 0))
+        if plain >= best[0]:
+            probes = [o for o in options if not self.free[o[2]]]
+            if self.plain_streak < self.probe_every or not probes:
+                return 0, 0
+            best = max(probes)
         return best[2], best[3]
 
-    def update(self, p: int, k: int, n_drafts: int, accepted: int, propose_s: float, verify_s: float) -> None:
+    def update(self, a: int, k: int, n_drafts: int, accepted: int, propose_s: float, verify_s: float) -> None:
         """Fold in one step: n_drafts judged (of k asked), `accepted` of them kept, its times."""
         width = steps.bucket(n_drafts + 1)
         self._ema(self.verify_s, width, verify_s)
-        if k:
-            self._ema(self.propose_s, (p, k), propose_s)
+        if k and not self.free[a]:
+            self._ema(self.propose_s, (a, k), propose_s)
         self.plain_streak = self.plain_streak + 1 if n_drafts == 0 else 0
-        judged = min(accepted + 1, n_drafts)
-        outcome = (np.arange(judged) < accepted).astype(float)
+        if n_drafts and not self.free[a]:  # free arms are judged by their shadow drafts
+            self.judge(a, min(accepted + 1, n_drafts), accepted)
+
+    def judge(self, a: int, judged: int, accepted: int) -> None:
+        """Fold in one judgement of arm a: drafts 1..judged looked at, the first `accepted` kept."""
         d = self.accept_decay
-        self.accepts[p] *= d
-        self.judged[p] *= d
-        self.accepts[p, :judged] += outcome
-        self.judged[p, :judged] += 1.0
+        self.accepts[a] *= d
+        self.judged[a] *= d
+        self.accepts[a, :accepted] += 1.0
+        self.judged[a, :judged] += 1.0
 
     def _ema(self, table: dict, key: Any, value: float) -> None:
         d = self.cost_decay
@@ -168,25 +205,56 @@ def _propose_ratio(proposer: Any) -> float:
 class _AdaptiveSession:
     def __init__(self, spec: Adaptive, sessions: list):
         self.sessions = sessions
-        self.chooser = KChooser([p.k for p in spec.proposers], spec.prior_accept,
-                                [_propose_ratio(p) for p in spec.proposers], spec.accept_decay)
+        self.arms: list[tuple[int, int | None]] = []  # (session, match strength; None: not free)
+        self.graded: dict[int, bool] = {}  # free session -> arms per match strength (else one arm, 0)
+        for i, (prop, session) in enumerate(zip(spec.proposers, sessions)):
+            if getattr(session, "free", False):
+                top = getattr(prop, "max_ngram", 0)
+                self.graded[i] = bool(top)
+                self.arms += [(i, m) for m in (range(getattr(prop, "min_ngram", 1), top + 1) if top else [0])]
+            else:
+                self.arms.append((i, None))
+        self.chooser = KChooser([spec.proposers[i].k for i, _ in self.arms], spec.prior_accept,
+                                [_propose_ratio(spec.proposers[i]) for i, _ in self.arms], spec.accept_decay,
+                                free=[m is not None for _, m in self.arms])
+        self.max_k = [p.k for p in spec.proposers]
         taps = {tuple(getattr(s, "taps", ())) for s in sessions} - {()}
         if len(taps) > 1:
             raise ProposerError("Adaptive supports at most one proposer that needs target taps")
         self.taps = next(iter(taps), ())
-        self.choices: list[tuple[int, int]] = []
+        self.choices: list[tuple[int, int]] = []  # (proposer, k) per step
+        self.shadows: list[tuple[int, int, np.ndarray]] = []  # (arm, first position, drafts)
         self._pending: tuple | None = None
 
     def propose(self, history: np.ndarray, limit: int) -> Proposal:
-        p, k = self.chooser.choose()  # history only: decided before any draft exists
-        self.choices.append((p, k))
+        free: dict[int, Proposal] = {}
+        available: dict[int, int | None] = {}
+        for a, (i, m) in enumerate(self.arms):
+            if m is None:
+                available[a] = None
+                continue
+            if i not in free:
+                prop = self.sessions[i].propose(history, self.max_k[i])
+                free[i] = dataclasses.replace(prop, match=prop.match if self.graded[i] else 0)
+                if prop.n:
+                    arm = self.arms.index((i, free[i].match))
+                    self.shadows.append((arm, len(history), np.asarray(prop.drafts[:prop.n])))
+            if free[i].n and free[i].match == m:
+                available[a] = free[i].n
+        a, k = self.chooser.choose(available)  # history only: decided before any sampled draft exists
+        i, m = self.arms[a]
+        self.choices.append((i, k))
         t0 = time.perf_counter()
         if k == 0:
-            self._pending = (p, 0, 0, t0, t0)
+            self._pending = (a, 0, 0, t0, t0)
             return Proposal(np.zeros(0, np.int32), 0)
-        prop = self.sessions[p].propose(history, min(k, limit))
+        if m is not None:  # already looked up
+            n = min(k, limit, free[i].n)
+            self._pending = (a, k, n, t0, t0)
+            return Proposal(free[i].drafts[:n], n, match=m)
+        prop = self.sessions[i].propose(history, min(k, limit))
         jax.block_until_ready(prop.drafts)
-        self._pending = (p, k, prop.n, t0, time.perf_counter())
+        self._pending = (a, k, prop.n, t0, time.perf_counter())
         return prop
 
     def extend(self, features: Any, count: int) -> None:
@@ -195,7 +263,17 @@ class _AdaptiveSession:
                 s.extend(features, count)
 
     def observe(self, accepted: int, history: np.ndarray) -> None:
-        p, k, n, t0, t1 = self._pending
-        self.chooser.update(p, k, n, accepted, t1 - t0, time.perf_counter() - t1)
+        a, k, n, t0, t1 = self._pending
+        self.chooser.update(a, k, n, accepted, t1 - t0, time.perf_counter() - t1)
         if k:
-            self.sessions[p].observe(accepted, history)
+            self.sessions[self.arms[a][0]].observe(accepted, history)
+        pending = []
+        for arm, first, drafts in self.shadows:  # score what the committed tokens now decide
+            known = history[first:first + len(drafts)]
+            same = known == drafts[:len(known)]
+            kept = len(known) if same.all() else int(np.argmin(same))
+            if kept < len(known) or len(known) == len(drafts):
+                self.chooser.judge(arm, min(kept + 1, len(drafts)), kept)
+            else:
+                pending.append((arm, first, drafts))
+        self.shadows = pending

@@ -12,6 +12,10 @@ step the target cached, of which the first `count` rows are committed tokens.
 
 `history` is a NumPy int32 array of every committed token (prompt and output); its last
 entry is the one the next verify step feeds.
+
+A session with ``free = True`` is deterministic and costs nothing to ask (prompt lookup):
+`Adaptive` asks it every step and scores its drafts against the tokens committed later,
+so it learns that proposer's acceptance without verifying anything.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Proposal:
     drafts: Any                # [k] int32 (NumPy or device array); first n real
     n: int                     # real drafts (0 means: plain decode step)
     logq: Any = None           # [k, V] draft log-probs when drafts were sampled
+    match: int = 0             # how strong the evidence is (prompt lookup: n-gram length matched)
 
 
 class Session(Protocol):
@@ -51,10 +56,11 @@ def _check_k(k: int, largest: int) -> None:
         raise ProposerError(f"k must be an integer in [1, {largest}], got {k!r}")
 
 
-def ngram_lookup(history: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> np.ndarray:
+def ngram_lookup(history: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> tuple[np.ndarray, int]:
     """Prompt lookup: the tokens after the latest earlier occurrence of the last n tokens.
 
-    Tries n = max_ngram down to min_ngram; returns up to k tokens (empty if no match).
+    Tries n = max_ngram down to min_ngram; returns up to k tokens and the n matched
+    (empty and 0 if no match).
     """
     size = len(history)
     for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
@@ -64,8 +70,8 @@ def ngram_lookup(history: np.ndarray, k: int, max_ngram: int, min_ngram: int) ->
         hits = np.flatnonzero((windows == tail).all(axis=1))
         if hits.size:
             start = hits[-1] + n
-            return history[start:start + k]
-    return history[:0]
+            return history[start:start + k], n
+    return history[:0], 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +94,12 @@ class NgramProposer:
 @dataclasses.dataclass
 class _NgramSession:
     spec: NgramProposer
+    free = True
 
     def propose(self, history: np.ndarray, limit: int) -> Proposal:
         s = self.spec
-        found = ngram_lookup(history, min(s.k, limit), s.max_ngram, s.min_ngram)
-        return Proposal(found.astype(np.int32), len(found))
+        found, n = ngram_lookup(history, min(s.k, limit), s.max_ngram, s.min_ngram)
+        return Proposal(found.astype(np.int32), len(found), match=n if len(found) else 0)
 
     def observe(self, accepted: int, history: np.ndarray) -> None:
         pass

@@ -90,3 +90,58 @@ def test_choice_uses_history_only(rng):
     a, b = session.propose(history, 15), twin.propose(history, 15)
     assert not np.array_equal(a.drafts, b.drafts)
     assert session.choices[-1] == twin.choices[-1]
+
+
+class _Lookup:
+    """A free (deterministic, costless) fake proposer: after an even last token it 'matches
+    3 tokens' and drafts the true continuation, after an odd one it 'matches 1' and drafts junk."""
+
+    free = True
+    min_ngram, max_ngram = 1, 3
+
+    def __init__(self, k):
+        self.k = k
+
+    def start(self, target, prompt, capacity, seed, sampling):
+        return self
+
+    def propose(self, history, limit):
+        n = min(self.k, limit)
+        if history[-1] % 2:
+            return Proposal(np.full(n, 100, np.int32), n, match=1)
+        return Proposal(_truth(history, n), n, match=3)
+
+    def observe(self, accepted, history):
+        pass
+
+
+def _truth(history, n):
+    """The synthetic target: each token is a function of the previous one."""
+    out, last = [], int(history[-1])
+    for _ in range(n):
+        last = (7 * last + 3) % 97
+        out.append(last)
+    return np.array(out, np.int32)
+
+
+def test_free_proposer_is_judged_by_shadow_drafts_and_weak_matches_are_skipped(rng):
+    session = Adaptive(_Lookup(15)).start(None, None, 0, 0, Sampling())
+    chooser = session.chooser
+    chooser.verify_s = {1: 1.0, 2: 1.6, 4: 1.8, 8: 2.4, 16: 2.9}  # fixed costs: no timing noise
+    chooser._ema = lambda *args: None
+    history = rng.integers(0, 97, 20).astype(np.int32)
+    picks = []  # (match strength offered, k chosen)
+    for _ in range(80):
+        prop = session.propose(history, 15)
+        offered = 1 if history[-1] % 2 else 3
+        truth = _truth(history, max(prop.n, 1))
+        accepted = int(np.cumprod(prop.drafts[:prop.n] == truth[:prop.n]).sum()) if prop.n else 0
+        history = np.concatenate([history, truth[:accepted + 1]])
+        session.observe(accepted, history)
+        picks.append((offered, prop.n))
+    late = picks[20:]
+    assert min(sum(m == 1 for m, _ in late), sum(m == 3 for m, _ in late)) >= 10  # both kinds occur
+    assert all(n == 0 for m, n in late if m == 1)          # junk after a weak match: plain steps
+    assert all(n == 15 for m, n in late if m == 3)         # the true continuation: drafted in full
+    weak, strong = chooser.acceptance(session.arms.index((0, 1))), chooser.acceptance(session.arms.index((0, 3)))
+    assert weak[0] < 0.1 and strong[14] > 0.9  # learnt from shadows, including the never-verified weak arm
