@@ -118,15 +118,12 @@ class KChooser:
             prior = out[j] = (self.accepts[a, j] + self.pseudo * prior) / (self.judged[a, j] + self.pseudo)
         return out
 
-    def expected_tokens(self, a: int, k: int) -> float:
-        return 1.0 + float(np.sum(np.cumprod(self.acceptance(a)[:k])))
-
-    def rate(self, a: int, k: int, drafts: int | None = None) -> float:
-        """Expected tokens per second of arm a at k, when it has `drafts` drafts (None: k)."""
-        if k == 0:
-            return 1.0 / self.verify_cost(0)
-        n = k if drafts is None else min(k, drafts)
-        return self.expected_tokens(a, n) / (self.verify_cost(k) + self.propose_cost(a, k))
+    def rates(self, a: int, drafts: int | None = None) -> list[tuple[float, int]]:
+        """(expected tokens per second, k) of arm a for each candidate k, when it has
+        `drafts` drafts (None: as many as asked)."""
+        gained = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.acceptance(a)))])
+        return [(gained[k if drafts is None else min(k, drafts)] / (self.verify_cost(k) + self.propose_cost(a, k)), k)
+                for k in self.candidates(a)]
 
     def choose(self, available: dict[int, int | None] | None = None) -> tuple[int, int]:
         """(arm, k) with the best expected rate among `available` arms (arm -> drafts it
@@ -142,8 +139,8 @@ class KChooser:
             for k in self.candidates(a) if not self.free[a] else ():
                 if steps.bucket(k + 1) not in self.verify_s or (a, k) not in self.propose_s:
                     return a, k
-        options = [(self.rate(a, k, n), -k, a, k) for a, n in available.items() for k in self.candidates(a)]
-        plain = self.rate(0, 0)
+        options = [(r, -k, a, k) for a, n in available.items() for r, k in self.rates(a, n)]
+        plain = 1.0 / self.verify_cost(0)
         best = max(options, default=(plain, 0, 0, 0))
         if plain >= best[0]:
             probes = [o for o in options if not self.free[o[2]]]

@@ -81,6 +81,8 @@ def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
         drafter = load_dflash(cfg.dflash, target)
         rows += [("dflash", k, DFlashProposer(drafter, k=k)) for k in cfg.dflash_ks]
         pool.append(DFlashProposer(drafter, k=max(cfg.dflash_ks)))
+    if len(pool) > 1:  # what `specjax generate --speculate K` runs
+        rows.append(("adaptive-ngram", 0, Adaptive(pool[0])))
     rows.append(("adaptive", 0, Adaptive(*pool)))
     return rows
 

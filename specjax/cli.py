@@ -56,7 +56,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculate", type=_k_or_auto, metavar="K|auto",
-                      help="n-gram (prompt lookup) drafts of up to K tokens; auto: adaptive k")
+                      help="n-gram (prompt lookup) drafts of up to K tokens (auto: 15), k chosen per step")
     spec.add_argument("--draft", type=Path, metavar="DIR", help="draft model folder (same vocabulary)")
     spec.add_argument("--draft-k", type=_k_or_auto, default=4, metavar="K|auto",
                       help="draft model tokens per step; auto: adaptive k")
@@ -130,7 +130,8 @@ def _prompt_ids(args, tokenizer) -> list[int]:
 
 
 def _proposer(args, target):
-    """The proposer the flags ask for; several, or any k of `auto`, make an Adaptive one."""
+    """The proposer the flags ask for; several, any k of `auto`, or prompt lookup (free to
+    ask, so always worth judging per step) make an Adaptive one."""
     from .adaptive import Adaptive
     from .dflash import load_dflash
     from .model import load
@@ -140,7 +141,7 @@ def _proposer(args, target):
         return None
     chosen = []
     if args.speculate is not None:
-        chosen.append((NgramProposer(k=15 if args.speculate == "auto" else args.speculate), args.speculate))
+        chosen.append((NgramProposer(k=15 if args.speculate == "auto" else args.speculate), "auto"))
     if args.draft is not None:
         k = 7 if args.draft_k == "auto" else args.draft_k
         chosen.append((DraftProposer(load(args.draft, target.dtype), k=k, sample=args.sample_drafts), args.draft_k))

@@ -63,13 +63,16 @@ def ngram_lookup(history: np.ndarray, k: int, max_ngram: int, min_ngram: int) ->
     (empty and 0 if no match).
     """
     size = len(history)
+    # candidate starts: earlier positions whose token equals the last one (a continuation
+    # needs i + 1 < size), checked backwards for the longest n; one vector compare per n
+    ends = np.flatnonzero(history[:size - 1] == history[size - 1])
     for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
-        tail = history[size - n:]
-        # windows starting at i cover history[i : i + n]; only i + n < size leaves a continuation
-        windows = np.lib.stride_tricks.sliding_window_view(history[:size - 1], n)
-        hits = np.flatnonzero((windows == tail).all(axis=1))
-        if hits.size:
-            start = hits[-1] + n
+        cand = ends[ends >= n - 1]
+        ok = np.ones(len(cand), bool)
+        for back in range(1, n):
+            ok &= history[cand - back] == history[size - 1 - back]
+        if ok.any():
+            start = cand[ok][-1] + 1
             return history[start:start + k], n
     return history[:0], 0
 

@@ -12,7 +12,7 @@ from specjax import kv as kvlib
 from specjax import qwen3, steps
 from specjax import sampling as smp
 from specjax.loop import run_prefill
-from specjax.proposers import DraftProposer, NgramProposer, ProposerError
+from specjax.proposers import DraftProposer, NgramProposer, ProposerError, ngram_lookup
 from specjax.sampling import Sampling
 from conftest import hf_tiny
 
@@ -48,6 +48,23 @@ def test_ngram_greedy_equals_plain(cyclic, tiny, rng, k):
         assert spec.tokens == plain.tokens
         if model is cyclic:
             assert spec.stats.accepted > 0 and spec.stats.steps < plain.stats.steps
+
+
+def test_ngram_lookup_equals_brute_force(rng):
+    """Longest n first, latest occurrence wins, k tokens of continuation, matched n reported."""
+    for _ in range(300):
+        history = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 40))).astype(np.int32)
+        k, lo = int(rng.integers(1, 8)), int(rng.integers(1, 3))
+        hi = lo + int(rng.integers(0, 3))
+        want, want_n = history[:0], 0
+        for n in range(hi, lo - 1, -1):
+            starts = [i for i in range(len(history) - n) if list(history[i:i + n]) == list(history[len(history) - n:])]
+            if n < len(history) and starts:
+                want, want_n = history[starts[-1] + n:starts[-1] + n + k], n
+                break
+        got, got_n = ngram_lookup(history, k, hi, lo)
+        np.testing.assert_array_equal(got, want)
+        assert got_n == want_n
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
