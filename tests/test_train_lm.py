@@ -49,3 +49,25 @@ def test_kill_and_resume_continues_identically(tmp_path, monkeypatch):
     assert [r["step"] for r in rows] == [3, 6]
     for name in ("config.json", "model.safetensors", "generation_config.json"):
         assert (tmp_path / "export" / name).is_file()
+
+
+def test_init_from_a_saved_model_starts_from_its_weights(tmp_path):
+    """--init: a fresh run starts from the folder's weights with a new optimiser state; a
+    folder of another model is refused."""
+    import dataclasses
+
+    import jax
+    import pytest
+
+    from specjax import checkpoint
+
+    saved = checkpoint.init_params(CFG, jax.random.key(5))
+    checkpoint.save(tmp_path / "model", saved, CFG, dtype="float32")
+    state = lm.state_from_folder(tmp_path / "model", CFG, TC)
+    assert_trees_equal(state["params"], saved)
+    assert_trees_equal(state["opt_state"], lm.make_optimizer(TC).init(saved))
+    with pytest.raises(ValueError, match="--init model differs"):
+        lm.state_from_folder(tmp_path / "model", dataclasses.replace(CFG, intermediate_size=128), TC)
+    tuned = lm.train(CFG, TC, _tokens(1, 4000), _tokens(2, 1000), tmp_path / "run", init=tmp_path / "model")
+    scratch = lm.train(CFG, TC, _tokens(1, 4000), _tokens(2, 1000), tmp_path / "run2")
+    assert not np.allclose(tuned["params"]["model.norm.weight"], scratch["params"]["model.norm.weight"])

@@ -123,6 +123,16 @@ def initial_state(cfg: Qwen3Config, tc: TrainConfig) -> dict:
     return {"params": params, "opt_state": make_optimizer(tc).init(params)}
 
 
+def state_from_folder(folder: Path, cfg: Qwen3Config, tc: TrainConfig) -> dict:
+    """{"params", "opt_state"} starting from a saved model (float32, training layout)."""
+    saved = Qwen3Config.from_file(folder / "config.json")
+    if saved.to_hf() != cfg.to_hf():
+        raise ValueError(f"{folder}: --init model differs from the --config model: {saved} vs {cfg}")
+    params = checkpoint.load_params(folder, cfg, jnp.float32)
+    print(f"initialised from {folder}")
+    return {"params": params, "opt_state": make_optimizer(tc).init(params)}
+
+
 def batch_at(tokens: np.ndarray, tc: TrainConfig, step: int) -> np.ndarray:
     """The training batch of ``step`` (a pure function of seed and step)."""
     return random_batches(tokens, tc.batch, tc.seq, np.random.default_rng((tc.seed, step)))
@@ -166,8 +176,11 @@ def export(out: Path, params: Any, cfg: Qwen3Config, tokenizer_dir: Path | None)
 
 def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_tokens: np.ndarray,
           ckpt_dir: Path, export_dir: Path | None = None, tokenizer_dir: Path | None = None,
-          heldout_bytes_per_token: float | None = None) -> dict:
+          heldout_bytes_per_token: float | None = None, init: Path | None = None) -> dict:
     """Train (or resume) until ``tc.steps``; returns the final {"params", "opt_state", "step"}.
+
+    A fresh run starts from random weights, or from the HF folder `init` (fine-tuning:
+    a new optimiser state and schedule; the folder's config must be `cfg`'s model).
 
     Saves a checkpoint every ``tc.save_every_minutes`` (0: every step), on Ctrl-C and at
     the end; any other exception propagates without a final save (like a crash)."""
@@ -182,6 +195,8 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
     record = {"best_heldout_loss": None, "model": model_record}
     if step == 0:
         state = initial_state(cfg, tc)
+        if init is not None:
+            state = state_from_folder(Path(init), cfg, tc)
     else:
         state, record = ckpts.restore(jax.eval_shape(initial_state, cfg, tc))
         if record["model"] != model_record:
@@ -290,6 +305,7 @@ def main(presets: dict[str, Qwen3Config], default: str, argv: Sequence[str] | No
     p.add_argument("--tokenizer", type=Path, default=Path("checkpoints/tiny-code"), help="tokenizer dir copied into exports")
     p.add_argument("--ckpt-dir", type=Path, help="orbax checkpoints and metrics.jsonl (default runs/<config>)")
     p.add_argument("--export", type=Path, help="HF model folder written whenever held-out loss improves")
+    p.add_argument("--init", type=Path, help="start a fresh run from this HF model folder (fine-tuning)")
     add_config_flags(p, TrainConfig)
     args = p.parse_args(argv)
     enable_compilation_cache()
@@ -299,4 +315,4 @@ def main(presets: dict[str, Qwen3Config], default: str, argv: Sequence[str] | No
     cfg = dataclasses.replace(presets[args.config], max_position_embeddings=tc.seq, eos_token_id=meta["eos_id"])
     train(cfg, tc, load_shard(args.data / "train.npy"), load_shard(args.data / "heldout.npy"),
           args.ckpt_dir or Path("runs") / args.config, args.export, args.tokenizer,
-          meta["heldout"]["bytes"] / meta["heldout"]["tokens"])
+          meta["heldout"]["bytes"] / meta["heldout"]["tokens"], args.init)

@@ -1,0 +1,44 @@
+"""Distillation shards: every generated sequence lands in train or held-out, cut after its reply's eos."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from specjax.config import Qwen3Config
+from train import distill
+
+TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-code"
+
+
+def _split(tokens, eos):
+    """Documents of a packed shard (each ends with eos)."""
+    ends = np.flatnonzero(tokens == eos)
+    return [tokens[a + 1:b + 1] for a, b in zip(np.concatenate([[-1], ends[:-1]]), ends)]
+
+
+def test_shards_hold_prompt_and_reply_through_eos(tmp_path, rng):
+    eos, prompt_len, reply_len, n = 0, 5, 7, 45
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, eos_token_id=eos)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps({"prompt_len": prompt_len, "target": {"config": cfg.to_hf()}}))
+    seqs = rng.integers(1, 64, (n, prompt_len + reply_len)).astype(np.int32)
+    stops = rng.integers(0, reply_len + 3, n)  # >= reply_len: the reply never stopped
+    expected = []
+    for row, stop in zip(seqs, stops):
+        if stop < reply_len:
+            row[prompt_len + stop:] = eos  # a stopped reply is padded with eos
+        expected.append(np.append(row[:prompt_len + stop], eos) if stop < reply_len else np.append(row, eos))
+    np.save(data / "seqs-00000.npy", seqs[:30])
+    np.save(data / "seqs-00001.npy", seqs[30:])
+    meta = distill.build(data, tmp_path / "out", TOKENIZER)
+    train = _split(np.load(tmp_path / "out" / "train.npy").astype(np.int64), eos)
+    heldout = _split(np.load(tmp_path / "out" / "heldout.npy").astype(np.int64), eos)
+    held = [i for i in range(n) if i % distill.HELDOUT_EVERY == 0]
+    assert len(heldout) == len(held) == meta["heldout"]["documents"] and len(train) == n - len(held)
+    for doc, i in zip(heldout, held):
+        np.testing.assert_array_equal(doc, expected[i])
+    for doc, i in zip(train, [i for i in range(n) if i not in held]):
+        np.testing.assert_array_equal(doc, expected[i])
