@@ -114,7 +114,20 @@ def target_tokens(logits: jax.Array, positions: jax.Array, seed: jax.Array, s: S
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logprobs = transform(logits, s)
     keys = jax.vmap(lambda p: position_key(seed, TARGET, p))(positions)
-    return jax.vmap(sample)(logprobs, keys)
+    if not 0 < s.top_k < logprobs.shape[-1]:
+        return jax.vmap(sample)(logprobs, keys)
+    # With top-k the support is at most k tokens unless ties at the k-th logit kept more
+    # (then the (k+1)-th largest log-prob is finite): Gumbel-max over the k candidates
+    # draws from the same distribution with k noise values instead of V (barrier: see transform).
+    vals, idx = jax.lax.optimization_barrier(jax.lax.top_k(logprobs, s.top_k + 1))
+
+    def candidates(_):
+        return jax.vmap(lambda lp, i, key: i[sample(lp, key)])(vals[..., :-1], idx[..., :-1], keys)
+
+    def vocabulary(_):
+        return jax.vmap(sample)(logprobs, keys)
+
+    return jax.lax.cond(jnp.all(jnp.isinf(vals[..., -1])), candidates, vocabulary, None).astype(jnp.int32)
 
 
 def accept_probability(logp: jax.Array, logq: jax.Array, d: jax.Array) -> jax.Array:

@@ -73,6 +73,27 @@ def test_empirical_frequencies_match_distribution(rng):
     assert p_value > 1e-3
 
 
+@pytest.mark.parametrize("ties", [False, True], ids=["k-candidates", "ties-at-k"])
+def test_target_tokens_follow_the_transformed_distribution(rng, ties):
+    """target_tokens draws from exp(transform(...)) on both of its paths: Gumbel-max over
+    the k candidates, and over the vocabulary when ties at the k-th logit widen the support."""
+    s = Sampling(temperature=0.9, top_k=5, top_p=0.97)
+    logits = rng.standard_normal(40).astype(np.float32)
+    if ties:
+        logits[np.argsort(logits)[-8:-4]] = np.sort(logits)[-5]  # 4 tokens tie at the 5th value
+    logprobs = np.asarray(smp.transform(jnp.asarray(logits), s), np.float64)
+    assert (np.isfinite(logprobs).sum() > s.top_k) == ties
+    n = 12000
+    draws = jax.jit(lambda pos: smp.target_tokens(jnp.tile(jnp.asarray(logits), (len(pos), 1)), pos,
+                                                  jnp.uint32(int(rng.integers(1 << 30))), s))(jnp.arange(n))
+    counts = np.bincount(np.asarray(draws), minlength=40)
+    probs = np.exp(logprobs)
+    support = probs > 0
+    assert counts[~support].sum() == 0
+    _, p_value = stats.chisquare(counts[support], n * probs[support] / probs[support].sum())
+    assert p_value > 1e-3
+
+
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_k=-2),
                                     dict(top_k=1.5), dict(top_p=0.0), dict(top_p=1.2), dict(min_p=-0.1),
                                     dict(min_p=2.0)])
