@@ -79,8 +79,10 @@ def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
         from .dflash import load_dflash
         from .proposers import DFlashProposer
         drafter = load_dflash(cfg.dflash, target)
-        rows += [("dflash", k, DFlashProposer(drafter, k=k)) for k in cfg.dflash_ks]
-        pool.append(DFlashProposer(drafter, k=max(cfg.dflash_ks)))
+        # k up to the drafter's block (k = block_size - 1 is its largest; always measured)
+        ks = sorted({k for k in cfg.dflash_ks if k < drafter.cfg.block_size} | {min(drafter.cfg.block_size - 1, 15)})
+        rows += [("dflash", k, DFlashProposer(drafter, k=k)) for k in ks]
+        pool.append(DFlashProposer(drafter, k=ks[-1]))
     if len(pool) > 1:  # what `specjax generate --speculate K` runs
         rows.append(("adaptive-ngram", 0, Adaptive(pool[0])))
     rows.append(("adaptive", 0, Adaptive(*pool)))

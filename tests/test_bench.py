@@ -90,3 +90,16 @@ def test_random_model_profile_runs_on_any_backend():
     prof = bench.step_profile(model, (1, 2), context=64, rounds=2)
     assert prof["weight_bytes"] == sum(x.nbytes for x in jax.tree.leaves(model.params))
     assert prof["ratio_to_T1"][1] == 1.0 and prof["floor_ms"] > 0
+
+
+def test_method_rows_fit_the_proposers(tmp_path):
+    """DFlash k values past the drafter's block are left out (its largest is always in);
+    with several proposers the prompt-lookup-only adaptive row is there too."""
+    from specjax import dflash
+
+    target_dir = _random_model(tmp_path / "t", 32, 2, 1)
+    target = specjax.load(target_dir)
+    dflash.save_dflash(tmp_path / "d", dflash.init(target.config, jax.random.key(0), num_layers=1, block_size=4))
+    cfg = bench.BenchConfig(model=target_dir, dflash=tmp_path / "d", dflash_ks=(2, 7, 15), ngram_ks=(3,))
+    names = [(name, k) for name, k, _ in bench._methods(cfg, target)]
+    assert names == [("plain", 0), ("ngram", 3), ("dflash", 2), ("dflash", 3), ("adaptive-ngram", 0), ("adaptive", 0)]
