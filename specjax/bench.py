@@ -344,8 +344,9 @@ def _jsonable(x: Any) -> Any:
 
 def markdown(results: dict[str, Any]) -> str:
     """The results table: speedup at the best k of each method, per workload and sampling."""
-    methods = [m for m in ("ngram", "draft", "dflash", "adaptive") if any(m in c["best_k"] for c in results["cells"])]
-    head = ["workload", "sampling", "plain tok/s"] + [m if m == "adaptive" else f"{m} (best k)" for m in methods]
+    adaptive = ("adaptive-ngram", "adaptive")
+    methods = [m for m in ("ngram", "draft", "dflash") + adaptive if any(m in c["best_k"] for c in results["cells"])]
+    head = ["workload", "sampling", "plain tok/s"] + [m if m in adaptive else f"{m} (best k)" for m in methods]
     if "dflash" in methods:
         head.append("dflash tokens/step")
     head += ["ours / HF plain", "HF lookup", "HF assisted"]
@@ -355,7 +356,7 @@ def markdown(results: dict[str, Any]) -> str:
         cols = [c["workload"], c["sampling"], f"{rows['plain:0']['tok_s']['median']:.0f}"]
         for m in methods:
             k = c["best_k"].get(m)
-            label = "" if m == "adaptive" else f" (k={k})"
+            label = "" if m in adaptive else f" (k={k})"
             cols.append(f"{rows[f'{m}:{k}']['speedup']['median']:.2f}x{label}" if k is not None else "–")
         if "dflash" in methods:
             k = c["best_k"].get("dflash")

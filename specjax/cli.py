@@ -132,6 +132,8 @@ def _prompt_ids(args, tokenizer) -> list[int]:
 def _proposer(args, target):
     """The proposer the flags ask for; several, any k of `auto`, or prompt lookup (free to
     ask, so always worth judging per step) make an Adaptive one."""
+    import jax
+
     from .adaptive import Adaptive
     from .dflash import load_dflash
     from .model import load
@@ -148,8 +150,12 @@ def _proposer(args, target):
     if args.dflash is not None:
         k = None if args.dflash_k in (None, "auto") else args.dflash_k
         chosen.append((DFlashProposer(load_dflash(args.dflash, target), k=k, sample=args.sample_drafts), args.dflash_k))
-    if not chosen:  # default: adaptive over prompt lookup and any shipped sibling drafters
+    if not chosen:  # default: adaptive prompt lookup, plus any shipped sibling drafters off CPU
         chosen = [(NgramProposer(k=15), "auto")]
+        if jax.default_backend() == "cpu":
+            # measured (docs/performance.md): on CPU the model arms' calibration and DFlash's
+            # per-step context update cost more than they win over prompt lookup alone
+            return Adaptive(chosen[0][0])
         if (draft := _sibling(args.model or default_model(), "draft")) is not None:
             chosen.append((DraftProposer(load(draft, target.dtype), k=7), "auto"))
         if (dflash := _sibling(args.model or default_model(), "dflash")) is not None:

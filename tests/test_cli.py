@@ -43,3 +43,28 @@ def test_bad_input_exits_2(argv, match, capsys, folder):
         main(argv)
     assert e.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_default_and_flag_proposers(folder):
+    """Without flags on CPU: adaptive prompt lookup only; --speculate K is adaptive up to K;
+    a draft model with a fixed k is used as given."""
+    import jax
+
+    import specjax
+    from specjax import cli
+    from specjax.adaptive import Adaptive
+    from specjax.proposers import DraftProposer, NgramProposer
+
+    target = specjax.load(folder)
+    parse = lambda *flags: cli._build_parser().parse_args(["generate", "--model", str(folder), "--prompt", "x", *flags])
+    default = cli._proposer(parse(), target)
+    assert isinstance(default, Adaptive)
+    kinds = [type(p) for p in default.proposers]
+    if jax.default_backend() == "cpu":
+        assert kinds == [NgramProposer]
+    else:
+        assert kinds == [NgramProposer, DraftProposer]  # the m-draft sibling
+    fixed = cli._proposer(parse("--speculate", "5"), target)
+    assert isinstance(fixed, Adaptive) and [p.k for p in fixed.proposers] == [5]
+    draft = cli._proposer(parse("--draft", str(folder.parent / "m-draft"), "--draft-k", "3"), target)
+    assert isinstance(draft, DraftProposer) and draft.k == 3

@@ -66,3 +66,28 @@ def test_taps_are_transformers_hidden_states(rng, calm):
     _, _, tapped = qwen3.forward(model.params, model.config, ids, np.arange(11)[None], taps=taps)
     for got, layer in zip(np.asarray(tapped), taps):
         assert np.abs(got - hs[layer + 1].numpy()).max() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["tiny-code", "tiny-code-draft"])
+def test_shipped_checkpoints_match_transformers(name, rng):
+    """The models in checkpoints/ load in transformers and in specjax with the same f32 logits."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(__file__).resolve().parents[1] / "checkpoints" / name
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    _compare(ref, specjax.load(folder, dtype="float32"), rng, batch=2, length=40)
+
+
+def test_shipped_dflash_drafter_fits_the_target():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "checkpoints"
+    target = specjax.load(root / "tiny-code")
+    drafter = specjax.load_dflash(root / "tiny-code-dflash", target)
+    assert drafter.cfg.mask_token_id == target.tokenizer.mask_token_id
+    ids = target.tokenizer("def add(a, b):\n    return a + b\n\n" * 3)["input_ids"]
+    plain = specjax.generate(target, ids, max_new_tokens=24)
+    spec = specjax.generate(target, ids, max_new_tokens=24, speculative=specjax.DFlashProposer(drafter))
+    assert spec.tokens == plain.tokens
