@@ -79,8 +79,8 @@ def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
         from .dflash import load_dflash
         from .proposers import DFlashProposer
         drafter = load_dflash(cfg.dflash, target)
-        # k up to the drafter's block (k = block_size - 1 is its largest; always measured)
-        ks = sorted({k for k in cfg.dflash_ks if k < drafter.cfg.block_size} | {min(drafter.cfg.block_size - 1, 15)})
+        # k up to the drafter's block (its default, the largest k, is always measured)
+        ks = sorted({k for k in cfg.dflash_ks if k < drafter.cfg.block_size} | {DFlashProposer(drafter).k})
         rows += [("dflash", k, DFlashProposer(drafter, k=k)) for k in ks]
         pool.append(DFlashProposer(drafter, k=ks[-1]))
     if len(pool) > 1:  # what `specjax generate --speculate K` runs

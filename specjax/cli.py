@@ -68,8 +68,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the short warm-up generation that compiles the steps before the timed run")
     p.add_argument("--no-speculate", action="store_true",
-                   help="plain decoding (default without proposer flags: adaptive k over prompt lookup and "
-                        "the model's shipped -draft / -dflash siblings)")
+                   help="plain decoding (default without proposer flags: adaptive prompt lookup, and off "
+                        "CPU also the model's shipped -draft / -dflash siblings)")
 
 
 def _add_bench(sub) -> None:
@@ -150,16 +150,17 @@ def _proposer(args, target):
     if args.dflash is not None:
         k = None if args.dflash_k in (None, "auto") else args.dflash_k
         chosen.append((DFlashProposer(load_dflash(args.dflash, target), k=k, sample=args.sample_drafts), args.dflash_k))
-    if not chosen:  # default: adaptive prompt lookup, plus any shipped sibling drafters off CPU
+    # default: adaptive prompt lookup, plus the shipped sibling drafters off CPU. Measured
+    # (docs/performance.md): on CPU the model arms' calibration and DFlash's per-step context
+    # update cost more than they win over prompt lookup alone.
+    if not chosen:
         chosen = [(NgramProposer(k=15), "auto")]
-        if jax.default_backend() == "cpu":
-            # measured (docs/performance.md): on CPU the model arms' calibration and DFlash's
-            # per-step context update cost more than they win over prompt lookup alone
-            return Adaptive(chosen[0][0])
-        if (draft := _sibling(args.model or default_model(), "draft")) is not None:
-            chosen.append((DraftProposer(load(draft, target.dtype), k=7), "auto"))
-        if (dflash := _sibling(args.model or default_model(), "dflash")) is not None:
-            chosen.append((DFlashProposer(load_dflash(dflash, target)), "auto"))
+        model_dir = args.model or default_model()
+        if jax.default_backend() != "cpu":
+            if (draft := _sibling(model_dir, "draft")) is not None:
+                chosen.append((DraftProposer(load(draft, target.dtype), k=7), "auto"))
+            if (dflash := _sibling(model_dir, "dflash")) is not None:
+                chosen.append((DFlashProposer(load_dflash(dflash, target)), "auto"))
     if len(chosen) > 1 or chosen[0][1] == "auto":
         return Adaptive(*(p for p, _ in chosen))
     return chosen[0][0]

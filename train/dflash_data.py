@@ -169,7 +169,8 @@ def generate_data(target: specjax.Model, dc: DataConfig, folder: str | Path,
                 bar.update(len(ids))
             reply = np.concatenate(out)
             # everything after the first eos becomes eos (the padding of a reply that stopped)
-            after = np.cumsum(np.isin(reply, target.eos_ids), axis=1) - np.isin(reply, target.eos_ids) > 0
+            is_eos = np.isin(reply, target.eos_ids)
+            after = np.cumsum(is_eos, axis=1) - is_eos > 0
             reply[after] = target.eos_ids[0]
             tmp = folder / f".seqs-{i:05d}.tmp.npy"
             np.save(tmp, np.concatenate([prompts[rows.start:rows.stop], reply], axis=1))

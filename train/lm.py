@@ -194,9 +194,7 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
     step = ckpts.latest_step() or 0
     record = {"best_heldout_loss": None, "model": model_record}
     if step == 0:
-        state = initial_state(cfg, tc)
-        if init is not None:
-            state = state_from_folder(Path(init), cfg, tc)
+        state = initial_state(cfg, tc) if init is None else state_from_folder(Path(init), cfg, tc)
     else:
         state, record = ckpts.restore(jax.eval_shape(initial_state, cfg, tc))
         if record["model"] != model_record:
