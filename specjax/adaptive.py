@@ -12,7 +12,11 @@ judged yet inherits its predecessor's rate and longer drafts get tried as soon a
 ones are accepted; the costs are moving averages of the
 step times measured in this run (seeded from CPU ratios in reference/cpu-facts.md). k is
 drawn from the compiled verify buckets, so nothing compiles mid-run; k = 0 is a plain step.
-The first few steps time each candidate once (a calibration inside the run).
+A model proposer's cost starts from its own estimate (weight bytes against the target's)
+and is then timed; its cost at an untimed k is scaled from the timed ones (a chain of
+drafts costs per draft, a one-pass drafter the same at any k). A model proposer that is
+not chosen is retried after 16 idle steps, then 32, 64, ... (probes back off, so one that
+never pays costs O(log n) steps of n).
 
 Free proposers (prompt lookup: deterministic, costless) are not calibrated or probed:
 they are asked every step and their drafts are scored against the tokens committed
@@ -66,18 +70,23 @@ class KChooser:
 
     max_ks: Sequence[int]              # per arm: the largest k it offers
     prior_accept: float = 0.6
-    prior_propose_ratio: Sequence[float] = ()  # per arm: propose cost per draft / t(1)
+    prior_propose_ratio: Sequence[float] = ()  # per arm: propose cost (per draft if per_draft) / t(1)
     accept_decay: float = 0.95         # weight of the past in acceptance counts (~20 judgements)
     cost_decay: float = 0.8            # and in step times
     pseudo: float = 2.0                # pseudo-observations of the prior per position
-    probe_every: int = 16              # after this many plain steps in a row, try k > 0 again
+    probe_every: int = 16              # a model arm idle this many steps is tried again (doubling)
+    explore: float = 0.9               # an untimed verify width is tried when this close to the best
     free: Sequence[bool] = ()          # per arm: judged by shadow drafts (see the module docstring)
+    per_draft: Sequence[bool] = ()     # per arm: propose cost grows with k (else one pass, any k)
     prior_verify: dict[int, float] = dataclasses.field(default_factory=prior_verify_ratio)
     accepts: np.ndarray = dataclasses.field(init=False)   # [arms, positions] decayed counts
     judged: np.ndarray = dataclasses.field(init=False)    # [arms, positions] decayed counts
     verify_s: dict[int, float] = dataclasses.field(default_factory=dict)
     propose_s: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
-    plain_streak: int = 0
+    steps_run: int = 0
+    model_step: int = 0                # the last step a non-free arm drafted
+    probe_gap: int = 0                 # idle steps before the next probe (starts at probe_every)
+    warm: set = dataclasses.field(default_factory=set)  # (table, key) timed once already
 
     def __post_init__(self) -> None:
         self.accepts = np.zeros((len(self.max_ks), steps.BUCKETS[-1] - 1))
@@ -86,6 +95,9 @@ class KChooser:
             self.prior_propose_ratio = [0.0] * len(self.max_ks)
         if not self.free:
             self.free = [False] * len(self.max_ks)
+        if not self.per_draft:
+            self.per_draft = [True] * len(self.max_ks)
+        self.probe_gap = self.probe_every
 
     def candidates(self, a: int) -> list[int]:
         """k values that fill a compiled bucket (T = k + 1), plus the arm's own max."""
@@ -102,13 +114,26 @@ class KChooser:
         return 1.0
 
     def verify_cost(self, k: int) -> float:
+        """Measured for a timed width; else the prior curve, its rise over t(1) rescaled
+        to match the widths timed so far."""
         w = steps.bucket(k + 1)
-        return self.verify_s.get(w, self.prior_verify[w] * self._unit())
+        if w in self.verify_s:
+            return self.verify_s[w]
+        unit = self._unit()
+        rise = [(s / unit - 1) / (self.prior_verify[v] - 1) for v, s in self.verify_s.items() if v > 1]
+        return unit * (1 + (float(np.median(rise)) if rise else 1.0) * (self.prior_verify[w] - 1))
 
     def propose_cost(self, a: int, k: int) -> float:
         if self.free[a]:
             return 0.0  # asked every step anyway
-        return self.propose_s.get((a, k), self.prior_propose_ratio[a] * k * self._unit())
+        if (a, k) in self.propose_s:
+            return self.propose_s[a, k]
+        scale = (lambda k: k) if self.per_draft[a] else (lambda k: 1)
+        timed = [(j, s) for (b, j), s in self.propose_s.items() if b == a]
+        if timed:  # from the nearest timed k
+            j, s = min(timed, key=lambda js: abs(js[0] - k))
+            return s * scale(k) / scale(j)
+        return self.prior_propose_ratio[a] * scale(k) * self._unit()
 
     def acceptance(self, a: int) -> np.ndarray:
         """Estimated P(draft j accepted | judged), j = 1 .. 15."""
@@ -129,34 +154,41 @@ class KChooser:
         """(arm, k) with the best expected rate among `available` arms (arm -> drafts it
         has, None: any number; default every arm); k = 0 means a plain step.
 
-        The first steps calibrate: each candidate of a non-free arm not yet timed runs once.
+        The first step is plain (it times t(1)). A model arm's option whose verify width is
+        untimed is taken when its estimate is within `explore` of the best (each width is
+        timed once, and only if it might win); a model arm left idle for `probe_gap` steps is
+        tried again, with the gap doubling each time it is not then chosen on merit.
         """
         if available is None:
             available = {a: None for a in range(len(self.max_ks))}
         if 1 not in self.verify_s:
             return 0, 0
-        for a in available:
-            for k in self.candidates(a) if not self.free[a] else ():
-                if steps.bucket(k + 1) not in self.verify_s or (a, k) not in self.propose_s:
-                    return a, k
         options = [(r, -k, a, k) for a, n in available.items() for r, k in self.rates(a, n)]
         plain = 1.0 / self.verify_cost(0)
         best = max(options, default=(plain, 0, 0, 0))
-        if plain >= best[0]:
-            probes = [o for o in options if not self.free[o[2]]]
-            if self.plain_streak < self.probe_every or not probes:
-                return 0, 0
-            best = max(probes)
-        return best[2], best[3]
+        top = max(plain, best[0])
+        untimed = [o for o in options if not self.free[o[2]] and steps.bucket(o[3] + 1) not in self.verify_s
+                   and o[0] >= self.explore * top]
+        if untimed:
+            return max(untimed)[2:]
+        if plain < best[0] and not self.free[best[2]]:
+            self.probe_gap = self.probe_every  # a model arm wins: if it stops winning, retry it soon
+            return best[2], best[3]
+        probes = [o for o in options if not self.free[o[2]]]
+        if probes and self.steps_run - self.model_step >= self.probe_gap:
+            self.probe_gap = min(2 * self.probe_gap, 1 << 12)
+            return max(probes)[2:]
+        return (0, 0) if plain >= best[0] else (best[2], best[3])
 
     def update(self, a: int, k: int, n_drafts: int, accepted: int, propose_s: float, verify_s: float) -> None:
         """Fold in one step: n_drafts judged (of k asked), `accepted` of them kept, its times."""
         width = steps.bucket(n_drafts + 1)
-        self._ema(self.verify_s, width, verify_s)
+        self._time("verify", width, verify_s)
         if k and not self.free[a]:
-            self._ema(self.propose_s, (a, k), propose_s)
-        self.plain_streak = self.plain_streak + 1 if n_drafts == 0 else 0
+            self._time("propose", (a, k), propose_s)
+        self.steps_run += 1
         if n_drafts and not self.free[a]:  # free arms are judged by their shadow drafts
+            self.model_step = self.steps_run
             self.judge(a, min(accepted + 1, n_drafts), accepted)
 
     def judge(self, a: int, judged: int, accepted: int) -> None:
@@ -167,8 +199,14 @@ class KChooser:
         self.accepts[a, :accepted] += 1.0
         self.judged[a, :judged] += 1.0
 
-    def _ema(self, table: dict, key: Any, value: float) -> None:
-        d = self.cost_decay
+    def _time(self, kind: str, key: Any, value: float) -> None:
+        """Fold a step time into verify_s or propose_s (moving average). The first time of
+        each key is dropped: the first call of a width or draft length in a process
+        includes its compilation (~0.5 s on CPU), which would make it look useless."""
+        if (kind, key) not in self.warm:
+            self.warm.add((kind, key))
+            return
+        table, d = (self.verify_s if kind == "verify" else self.propose_s), self.cost_decay
         table[key] = value if key not in table else d * table[key] + (1 - d) * value
 
 
@@ -191,16 +229,13 @@ class Adaptive:
         object.__setattr__(self, "accept_decay", accept_decay)
 
     def start(self, target: Any, prompt: np.ndarray, capacity: int, seed: int, sampling: Sampling):
-        return _AdaptiveSession(self, [p.start(target, prompt, capacity, seed, sampling) for p in self.proposers])
-
-
-def _propose_ratio(proposer: Any) -> float:
-    """Prior cost of one draft relative to a target step: ~0 for lookup, ~0.3 for models."""
-    return 0.0 if type(proposer).__name__ == "NgramProposer" else 0.3
+        costs = [p.cost_prior(target) if hasattr(p, "cost_prior") else (0.3, True) for p in self.proposers]
+        return _AdaptiveSession(self, [p.start(target, prompt, capacity, seed, sampling) for p in self.proposers],
+                                costs)
 
 
 class _AdaptiveSession:
-    def __init__(self, spec: Adaptive, sessions: list):
+    def __init__(self, spec: Adaptive, sessions: list, costs: list[tuple[float, bool]]):
         self.sessions = sessions
         self.arms: list[tuple[int, int | None]] = []  # (session, match strength; None: not free)
         self.graded: dict[int, bool] = {}  # free session -> arms per match strength (else one arm, 0)
@@ -212,8 +247,9 @@ class _AdaptiveSession:
             else:
                 self.arms.append((i, None))
         self.chooser = KChooser([spec.proposers[i].k for i, _ in self.arms], spec.prior_accept,
-                                [_propose_ratio(spec.proposers[i]) for i, _ in self.arms], spec.accept_decay,
-                                free=[m is not None for _, m in self.arms])
+                                [costs[i][0] for i, _ in self.arms], spec.accept_decay,
+                                free=[m is not None for _, m in self.arms],
+                                per_draft=[costs[i][1] for i, _ in self.arms])
         self.max_k = [p.k for p in spec.proposers]
         taps = {tuple(getattr(s, "taps", ())) for s in sessions} - {()}
         if len(taps) > 1:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .adaptive import Adaptive
-from .loop import generate
+from .loop import capacity_for, generate
 from .model import Model, load
 from .proposers import DraftProposer, NgramProposer
 from .sampling import Sampling
@@ -87,6 +87,31 @@ def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
         rows.append(("adaptive-ngram", 0, Adaptive(pool[0])))
     rows.append(("adaptive", 0, Adaptive(*pool)))
     return rows
+
+
+def warm_verify(target: Model, proposers: list[Any], capacities: set[int], sampling: Sampling) -> None:
+    """Compile every verify width for each tap set the proposers need, before timing:
+    Adaptive reaches widths by what it learns, so a width first used inside a timed run
+    would add its compilation (~0.5 s on CPU) to that run."""
+    import jax
+    import jax.numpy as jnp
+    from . import kv as kvlib
+    from . import steps
+
+    taps_sets = {()} | {tuple(getattr(p, "drafter").cfg.target_layer_ids) for p in _leaves(proposers)
+                        if hasattr(p, "drafter")}
+    for taps in taps_sets:
+        for capacity in capacities:
+            for width in steps.BUCKETS:
+                kv = kvlib.init(target.config, 1, capacity, target.dtype)
+                out = steps.verify(target.params, target.config, kv, np.int32(0), np.zeros(width - 1, np.int32),
+                                   np.int32(0), jnp.uint32(0), sampling=sampling, width=width, logq=None, taps=taps)
+                jax.block_until_ready(out[0])
+
+
+def _leaves(proposers: list[Any]) -> list[Any]:
+    """The proposers, with Adaptive ones replaced by what they wrap."""
+    return [q for p in proposers if p is not None for q in (p.proposers if isinstance(p, Adaptive) else (p,))]
 
 
 def _ours(target: Model, proposer: Any, ids: list[int], n: int, sampling: Sampling, seed: int) -> dict[str, Any]:
@@ -249,6 +274,8 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         prompts = workload(target.tokenizer, kind, cfg.prompts, cfg.prompt_tokens)
         for sname in cfg.samplings:
             sampling = SAMPLINGS[sname]
+            warm_verify(target, [p for _, _, p in methods], {capacity_for(len(p.ids) + cfg.new_tokens) for p in prompts},
+                        sampling)
             log(f"[{kind} / {sname}] {len(prompts)} prompt(s) of ~{cfg.prompt_tokens} tokens, {cfg.new_tokens} new")
             runs: dict[str, list[dict]] = {}
             for pi, prompt in enumerate(prompts):

@@ -91,27 +91,27 @@ def from_hf(tensors: dict[str, Any], cfg: Qwen3Config) -> Params:
     return params
 
 
-def unstack(params: Params) -> Params:
-    """Inference layout: the layers as a tuple of per-layer trees.
+def unstack(params: Params, key: str = LAYERS) -> Params:
+    """Inference layout: the layers (`params[key]`) as a tuple of per-layer trees.
 
     Each layer's weights are then separate buffers that a jitted step's dots read in
     place; a stacked [L, ...] array is sliced per layer inside the step, and XLA:CPU copies
     each slice before its dot (S config decode: 12.5 -> 6.5 ms without the cache).
     The stacked layout stays the training one (one compiled layer body under lax.scan).
     """
-    layers = params[LAYERS]
+    layers = params[key]
     if isinstance(layers, tuple):
         return params
     n = len(next(iter(layers.values())))
-    return {**params, LAYERS: tuple({k: v[i] for k, v in layers.items()} for i in range(n))}
+    return {**params, key: tuple({k: v[i] for k, v in layers.items()} for i in range(n))}
 
 
-def stack(params: Params) -> Params:
+def stack(params: Params, key: str = LAYERS) -> Params:
     """Training layout (inverse of `unstack`; stacked trees pass through)."""
-    layers = params[LAYERS]
+    layers = params[key]
     if not isinstance(layers, tuple):
         return params
-    return {**params, LAYERS: {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0]}}
+    return {**params, key: {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0]}}
 
 
 def to_hf(params: Params, cfg: Qwen3Config) -> dict[str, Any]:

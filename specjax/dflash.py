@@ -12,8 +12,9 @@ Runtime parameter tree (the checkpoint mapping of checkpoint.py, prefix `layers.
     fc.weight          [D, n*D]      same (n = len(target_layer_ids))
     hidden_norm.weight [D]           same
     norm.weight        [D]           same
-    layers.{i}.<name>                params["layers"][<name>] stacked [L, ...], q/k/v and
-                                     gate/up fused exactly as for the target
+    layers.{i}.<name>                params["layers"][<name>] stacked [L, ...] (training) or
+                                     params["layers"][i][<name>] (inference, as loaded), q/k/v
+                                     and gate/up fused exactly as for the target
 
 Context cache: per drafter layer the K (k_norm + RoPE at the row's absolute position)
 and V of every committed context row, slot = absolute position. Block rows are never
@@ -259,7 +260,7 @@ def load_dflash(path: str | Path, target: Model, dtype: Any = None) -> Drafter:
     cfg = DFlashConfig.from_file(folder / "config.json")
     check_fits(cfg, target.config, str(folder / "config.json"))
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(target.dtype)
-    params = from_hf(checkpoint.read_tensors(folder, hf_shapes(cfg), dtype), cfg)
+    params = checkpoint.unstack(from_hf(checkpoint.read_tensors(folder, hf_shapes(cfg), dtype), cfg), DRAFT_LAYERS)
     return Drafter(params, cfg, dtype, folder)
 
 
@@ -297,21 +298,33 @@ def _split_qkv(cfg: DFlashConfig, qkv: jax.Array) -> list[jax.Array]:
     return jnp.split(qkv, [nh * hd, (nh + nk) * hd], axis=-1)
 
 
+def _layer_trees(params: Params) -> list[Params]:
+    """The drafter layers as per-layer trees, from either layout (see checkpoint.unstack).
+
+    Drafters have a handful of layers, so both layouts unroll into one traced copy per
+    layer; the unstacked one reads each layer's weights in place.
+    """
+    layers = params[DRAFT_LAYERS]
+    if isinstance(layers, tuple):
+        return list(layers)
+    return [{k: v[i] for k, v in layers.items()} for i in range(len(layers["input_layernorm.weight"]))]
+
+
 def _context_kv(params: Params, cfg: DFlashConfig, x: jax.Array, positions: jax.Array
                 ) -> tuple[jax.Array, jax.Array]:
     """Per-layer K (k_norm + RoPE at `positions` [T]) and V, each [L, K, T, E], of context
     rows c = hidden_norm(fc(x)) for concatenated target features x [T, n*D]."""
-    lp = params[DRAFT_LAYERS]
     nh, nk, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     x = x.astype(params["fc.weight"].dtype)
     c = rms_norm(linear(x, params["fc.weight"]), params["hidden_norm.weight"], eps)  # [T, D]
-    # c feeds every layer's k/v projection directly (no input_layernorm on the context)
-    w_kv = lp["self_attn.qkv_proj.weight"][:, nh * hd:]  # [L, 2*K*E, D]: the k and v rows
-    k, v = jnp.split(jax.vmap(linear, in_axes=(None, 0))(c, w_kv), 2, axis=-1)  # [L, T, K*E] each
-    shape = (cfg.num_hidden_layers, x.shape[0], nk, hd)
-    k = rms_norm(k.reshape(shape), lp["self_attn.k_norm.weight"][:, None, None], eps)
-    k = rope(k, jnp.broadcast_to(positions, shape[:2]), cfg.rope_theta)
-    return k.transpose(0, 2, 1, 3), v.reshape(shape).transpose(0, 2, 1, 3)
+    ks, vs = [], []
+    for lp in _layer_trees(params):
+        # c feeds every layer's k/v projection directly (no input_layernorm on the context)
+        k, v = jnp.split(linear(c, lp["self_attn.qkv_proj.weight"][nh * hd:]), 2, axis=-1)  # [T, K*E] each
+        k = rms_norm(k.reshape(1, -1, nk, hd), lp["self_attn.k_norm.weight"], eps)
+        ks.append(rope(k, positions[None], cfg.rope_theta)[0].transpose(1, 0, 2))
+        vs.append(v.reshape(-1, nk, hd).transpose(1, 0, 2))
+    return jnp.stack(ks), jnp.stack(vs)
 
 
 def _block_pass(params: Params, cfg: DFlashConfig, x: jax.Array, q_pos: jax.Array, ctx_k: jax.Array,
@@ -324,22 +337,18 @@ def _block_pass(params: Params, cfg: DFlashConfig, x: jax.Array, q_pos: jax.Arra
     nh, nk, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
     q_len, dtype = x.shape[0], x.dtype
     pos = q_pos[None]  # [1, Q]
-
-    def layer(x, xs):
-        lp, ctx_k, ctx_v = xs  # ctx [K, S, E]
+    for i, lp in enumerate(_layer_trees(params)):
         h = rms_norm(x, lp["input_layernorm.weight"], eps)
         q, bk, bv = _split_qkv(cfg, linear(h, lp["self_attn.qkv_proj.weight"]))
         q = rope(rms_norm(q.reshape(1, q_len, nh, hd), lp["self_attn.q_norm.weight"], eps), pos, cfg.rope_theta)
         bk = rope(rms_norm(bk.reshape(1, q_len, nk, hd), lp["self_attn.k_norm.weight"], eps), pos, cfg.rope_theta)
-        keys = jnp.concatenate([ctx_k[None].astype(dtype), bk.transpose(0, 2, 1, 3)], axis=2)  # [1, K, S+Q, E]
-        values = jnp.concatenate([ctx_v[None].astype(dtype), bv.reshape(1, q_len, nk, hd).transpose(0, 2, 1, 3)],
+        keys = jnp.concatenate([ctx_k[i][None].astype(dtype), bk.transpose(0, 2, 1, 3)], axis=2)  # [1, K, S+Q, E]
+        values = jnp.concatenate([ctx_v[i][None].astype(dtype), bv.reshape(1, q_len, nk, hd).transpose(0, 2, 1, 3)],
                                  axis=2)
         x = x + linear(attend_masked(q, keys, values, mask[None])[0], lp["self_attn.o_proj.weight"])
         h = rms_norm(x, lp["post_attention_layernorm.weight"], eps)
         gate, up = jnp.split(linear(h, lp["mlp.gate_up_proj.weight"]), 2, axis=-1)
-        return x + linear(jax.nn.silu(gate) * up, lp["mlp.down_proj.weight"]), None
-
-    x, _ = jax.lax.scan(layer, x, (params[DRAFT_LAYERS], ctx_k, ctx_v))
+        x = x + linear(jax.nn.silu(gate) * up, lp["mlp.down_proj.weight"])
     return rms_norm(x, params["norm.weight"], eps)
 
 
@@ -358,6 +367,27 @@ def append_context(params: Params, cfg: DFlashConfig, cache: ContextCache, featu
         k=cache.k.at[:, :, positions].set(k.astype(cache.k.dtype), mode="drop"),
         v=cache.v.at[:, :, positions].set(v.astype(cache.v.dtype), mode="drop"),
         length=cache.length + count.astype(jnp.int32))
+
+
+def init_stash(cfg: DFlashConfig, capacity: int, dtype: Any = jnp.float32) -> jax.Array:
+    """A buffer [capacity, n, D] for target taps not yet turned into context rows."""
+    return jnp.zeros((capacity, len(cfg.target_layer_ids), cfg.hidden_size), dtype)
+
+
+@partial(jax.jit, donate_argnames=("stash",))
+def stash_features(stash: jax.Array, features: jax.Array, start: jax.Array) -> jax.Array:
+    """Keep taps [n, T, D] at slots start .. start+T-1 of the stash: a copy, no drafter work."""
+    slots = start + jnp.arange(features.shape[1])
+    return stash.at[slots].set(features.transpose(1, 0, 2).astype(stash.dtype), mode="drop")
+
+
+@partial(jax.jit, static_argnames=("cfg", "width"), donate_argnames=("cache",))
+def append_stashed(params: Params, cfg: DFlashConfig, cache: ContextCache, stash: jax.Array, count: jax.Array,
+                   width: int) -> ContextCache:
+    """append_context of the `count` (<= width) stashed rows from the cache's length on."""
+    positions = cache.length + jnp.arange(width, dtype=jnp.int32)
+    features = jnp.take(stash, positions, axis=0, mode="fill", fill_value=0).transpose(1, 0, 2)
+    return append_context(params, cfg, cache, features, count, positions)
 
 
 @partial(jax.jit, static_argnames=("cfg", "target_cfg", "k"))

@@ -15,7 +15,9 @@ entry is the one the next verify step feeds.
 
 A session with ``free = True`` is deterministic and costs nothing to ask (prompt lookup):
 `Adaptive` asks it every step and scores its drafts against the tokens committed later,
-so it learns that proposer's acceptance without verifying anything.
+so it learns that proposer's acceptance without verifying anything. Other proposers may
+tell `Adaptive` their cost before it is timed: `cost_prior(target)` -> (cost relative to a
+target decode step, whether that is per draft).
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ class Session(Protocol):
 def _check_k(k: int, largest: int) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= largest:
         raise ProposerError(f"k must be an integer in [1, {largest}], got {k!r}")
+
+
+def _weight_bytes(params: Any) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(params))
 
 
 def ngram_lookup(history: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> tuple[np.ndarray, int]:
@@ -123,6 +129,10 @@ class DraftProposer:
 
     def __post_init__(self) -> None:
         _check_k(self.k, steps.BUCKETS[-1] - 1)
+
+    def cost_prior(self, target: Model) -> tuple[float, bool]:
+        """Each draft is a decode step of the draft model: its weight bytes over the target's."""
+        return _weight_bytes(self.model.params) / _weight_bytes(target.params), True
 
     def start(self, target: Model, prompt: np.ndarray, capacity: int, seed: int, sampling: Sampling) -> Session:
         if self.model.config.vocab_size != target.config.vocab_size:
@@ -199,6 +209,15 @@ class DFlashProposer:
             raise ProposerError(f"k={self.k} exceeds block_size - 1 = {self.drafter.cfg.block_size - 1} "
                                 f"of the DFlash drafter{where}")
 
+    def cost_prior(self, target: Model) -> tuple[float, bool]:
+        """One pass of B rows through the drafter and the target's head, whatever k: its
+        weight bytes over the target's, times the prior cost of B rows against one."""
+        from .adaptive import prior_verify_ratio
+
+        head = target.params["model.embed_tokens.weight" if target.config.tie_word_embeddings else "lm_head.weight"]
+        ratio = (_weight_bytes(self.drafter.params) + head.nbytes) / _weight_bytes(target.params)
+        return ratio * prior_verify_ratio()[steps.bucket(self.drafter.cfg.block_size)], False
+
     def start(self, target: Model, prompt: np.ndarray, capacity: int, seed: int, sampling: Sampling) -> Session:
         problems = dflashlib.fit_problems(self.drafter.cfg, target.config)
         if problems:
@@ -207,8 +226,15 @@ class DFlashProposer:
         return _DFlashSession(self, target, capacity, seed, sampling)
 
 
+CATCH_UP_WIDTHS = (16, 128)  # compiled widths of the DFlash context catch-up
+
+
 class _DFlashSession:
-    """Context cache convention: rows for every committed token but the newest (as the target's)."""
+    """Context cache convention: rows for every committed token but the newest (as the target's).
+
+    Taps are stashed as they arrive and turned into context rows only when a block is
+    drafted, so a session that `Adaptive` leaves idle costs one small copy per step.
+    """
 
     def __init__(self, spec: DFlashProposer, target: Model, capacity: int, seed: int, sampling: Sampling):
         d = spec.drafter
@@ -217,26 +243,35 @@ class _DFlashSession:
         self.draft_sampling = sampling if spec.sample and not sampling.greedy else None
         self.taps = d.cfg.target_layer_ids
         self.cache = dflashlib.init_cache(d.cfg, capacity, d.dtype)
-        self.length = 0  # committed context rows (host copy of cache.length)
+        self.stash = dflashlib.init_stash(d.cfg, capacity, target.dtype)
+        self.length = 0  # context rows in the cache (host copy of cache.length)
+        self.rows = 0    # committed rows stashed (the cache catches up to it before drafting)
 
     def extend(self, features: jax.Array, count: int) -> None:
-        """Append the first `count` rows of target taps [n, T, D] (device work, no host wait)."""
-        d = self.spec.drafter
-        positions = self.length + np.arange(features.shape[1], dtype=np.int32)
-        self.cache = dflashlib.append_context(d.params, d.cfg, self.cache, features, np.int32(count), positions)
-        self.length += count
+        """Stash the first `count` rows of target taps [n, T, D] (device work, no host wait)."""
+        self.stash = dflashlib.stash_features(self.stash, features, np.int32(self.rows))
+        self.rows += count
+
+    def _catch_up(self) -> None:
+        while self.length < self.rows:
+            n = min(self.rows - self.length, CATCH_UP_WIDTHS[-1])
+            width = steps.bucket(n, CATCH_UP_WIDTHS)
+            d = self.spec.drafter
+            self.cache = dflashlib.append_stashed(d.params, d.cfg, self.cache, self.stash, np.int32(n), width)
+            self.length += n
 
     def propose(self, history: np.ndarray, limit: int) -> Proposal:
-        if len(history) - 1 != self.length:  # cannot happen in the loop; guards a misuse of the session
-            raise ProposerError(f"DFlash context holds {self.length} rows but {len(history) - 1} tokens "
+        if len(history) - 1 != self.rows:  # cannot happen in the loop; guards a misuse of the session
+            raise ProposerError(f"DFlash context holds {self.rows} rows but {len(history) - 1} tokens "
                                 "are committed before the last one; extend() was not called with every step")
+        self._catch_up()
         d = self.spec.drafter
-        # rows past `limit` are never judged (row j of a block does not depend on k)
-        k = steps.draft_length(limit, self.spec.k)
+        # always the full k (one compiled shape: the pass costs the same for any k, and a
+        # new k mid-run would compile); rows past `limit` are never judged
         drafts, logq = dflashlib.draft_tokens(
             d.params, d.cfg, self.cache, self.target.params, self.target.config, np.int32(history[-1]),
-            np.int32(self.length), self.seed, k=k, sampling=self.draft_sampling)
-        return Proposal(drafts, min(k, limit), logq)
+            np.int32(self.length), self.seed, k=self.spec.k, sampling=self.draft_sampling)
+        return Proposal(drafts, min(self.spec.k, limit), logq)
 
     def observe(self, accepted: int, history: np.ndarray) -> None:
         """Nothing to do: the committed context arrives through extend()."""

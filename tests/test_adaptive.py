@@ -71,6 +71,9 @@ class _Scripted:
     def start(self, target, prompt, capacity, seed, sampling):
         return self
 
+    def cost_prior(self, target):
+        return 0.0, True  # cheap enough to be tried from the start
+
     def propose(self, history, limit):
         n = min(self.k, limit)
         return Proposal(((history[-1] + self.salt + np.arange(n)) % 101).astype(np.int32), n)
@@ -81,6 +84,8 @@ class _Scripted:
 
 def test_choice_uses_history_only(rng):
     session = Adaptive(_Scripted(7, salt=1)).start(None, None, 0, 0, Sampling())
+    session.chooser.verify_s = dict(VERIFY)  # fixed costs: no timing noise
+    session.chooser._time = lambda *args: None
     history = rng.integers(0, 101, 30).astype(np.int32)
     for step in range(12):  # some shared history in which drafts are mostly accepted
         prop = session.propose(history, 15)
@@ -128,7 +133,7 @@ def test_free_proposer_is_judged_by_shadow_drafts_and_weak_matches_are_skipped(r
     session = Adaptive(_Lookup(15)).start(None, None, 0, 0, Sampling())
     chooser = session.chooser
     chooser.verify_s = {1: 1.0, 2: 1.6, 4: 1.8, 8: 2.4, 16: 2.9}  # fixed costs: no timing noise
-    chooser._ema = lambda *args: None
+    chooser._time = lambda *args: None
     history = rng.integers(0, 97, 20).astype(np.int32)
     picks = []  # (match strength offered, k chosen)
     for _ in range(80):
@@ -145,3 +150,32 @@ def test_free_proposer_is_judged_by_shadow_drafts_and_weak_matches_are_skipped(r
     assert all(n == 15 for m, n in late if m == 3)         # the true continuation: drafted in full
     weak, strong = chooser.acceptance(session.arms.index((0, 1))), chooser.acceptance(session.arms.index((0, 3)))
     assert weak[0] < 0.1 and strong[14] > 0.9  # learnt from shadows, including the never-verified weak arm
+
+
+def test_probes_of_a_useless_proposer_back_off():
+    """A model proposer whose drafts are never accepted costs O(log n) steps of n: once
+    its widths are timed it is retried after 16 idle steps, then 32, 64, ..."""
+    chooser = KChooser([7], prior_propose_ratio=[0.3])
+    tried = []
+    for step in range(2000):
+        p, k = chooser.choose()
+        if k:
+            tried.append(step)
+        chooser.update(p, k, k, 0, 0.3 * k, VERIFY[steps.bucket(k + 1)])
+    calibration = len(chooser.candidates(0))  # at most each width once
+    assert calibration <= len(tried) <= calibration + 7  # probes near 16, 48, 112, 240, 496, 1008, 2032
+    gaps = np.diff(tried[calibration:])
+    assert np.all(gaps[1:] >= 2 * gaps[:-1] - 1)
+
+
+def test_propose_cost_scales_from_the_timed_k():
+    """A chain of drafts costs per draft; a one-pass drafter the same at any k."""
+    chooser = KChooser([7, 7], prior_propose_ratio=[0.3, 0.5], per_draft=[True, False])
+    chooser.verify_s[1] = 0.01
+    chooser.warm.add(("verify", 1))
+    assert chooser.propose_cost(0, 3) == pytest.approx(0.3 * 3 * 0.01)  # priors before any timing
+    assert chooser.propose_cost(1, 3) == pytest.approx(0.5 * 0.01)
+    for _ in range(2):  # the first time of each is dropped (compilation)
+        chooser.update(0, 7, 7, 0, 0.014, 0.02)
+        chooser.update(1, 7, 7, 0, 0.009, 0.02)
+    assert chooser.propose_cost(0, 1) == pytest.approx(0.002) and chooser.propose_cost(1, 1) == pytest.approx(0.009)

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import dflash, qwen3, steps
+from specjax import checkpoint, dflash, qwen3, steps
 from specjax import kv as kvlib
 from specjax.dflash import append_context, draft_block, init_cache, load_dflash, save_dflash
 from specjax.loop import run_prefill
-from specjax.proposers import DFlashProposer, ProposerError
+from specjax.adaptive import Adaptive
+from specjax.proposers import DFlashProposer, NgramProposer, ProposerError
 from specjax.sampling import Sampling
 
 SAMPLED = Sampling(temperature=0.8, top_k=40, top_p=0.9)
@@ -136,7 +137,7 @@ def test_handmade_folder_loads(tiny, handmade):
     cfg = d.cfg
     assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids, cfg.num_target_layers) == (8, 100, (0, 2), 3)
     assert d.dtype == jnp.float32 and d.path == folder
-    qkv = np.asarray(d.params["layers"]["self_attn.qkv_proj.weight"][1])
+    qkv = np.asarray(d.params["layers"][1]["self_attn.qkv_proj.weight"])  # loaded in the per-layer layout
     want = np.concatenate([t[f"layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
     np.testing.assert_array_equal(qkv, want)
     np.testing.assert_array_equal(np.asarray(d.params["fc.weight"]), t["fc.weight"])
@@ -149,7 +150,11 @@ def test_save_load_roundtrip(tiny, drafter16, tmp_path, rng):
     save_dflash(tmp_path / "f32", drafter16, dtype="float32")
     back = load_dflash(tmp_path / "f32", target)
     assert back.cfg == drafter16.cfg
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), back.params, drafter16.params))
+    def same(loaded, want):  # loaded per layer; init stacks them
+        stacked = checkpoint.stack(loaded, dflash.DRAFT_LAYERS)
+        return jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), stacked, want))
+
+    assert same(back.params, drafter16.params)
     feats = rng.standard_normal((2, 16, 64)).astype(np.float32)
     logits = []
     for d in (drafter16, back):
@@ -167,7 +172,7 @@ def test_save_load_roundtrip(tiny, drafter16, tmp_path, rng):
         assert sorted(f.keys()) == sorted(dflash.hf_shapes(drafter16.cfg))
     half = load_dflash(tmp_path / "bf16", target)
     rounded = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), drafter16.params)
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), half.params, rounded))
+    assert same(half.params, rounded)
 
 
 @pytest.mark.parametrize("change, match", [
@@ -246,8 +251,10 @@ def test_context_rows_only_for_committed_tokens(tiny, drafter16, rng):
     for features, n_valid in tapped:
         session.extend(features, n_valid)
     history = np.append(ids, first).astype(np.int32)
-    assert session.length == int(kv.lengths[0]) == 130
+    assert session.rows == int(kv.lengths[0]) == 130
+    assert session.length == 0  # taps are only stashed until a block is drafted
     session.propose(history, 7)
+    assert session.length == int(session.cache.length) == 130  # caught up: widths 128 + 16
     drafts = np.array([truth[1], (truth[2] + 1) % v, 5, 6, 7, 8, 9], np.int32)  # first right, then wrong
     out, count, _, kv, features = steps.verify(model.params, cfg, kv, np.int32(first), drafts, np.int32(7),
                                                jnp.uint32(0), sampling=Sampling(), width=8, taps=session.taps)
@@ -255,7 +262,9 @@ def test_context_rows_only_for_committed_tokens(tiny, drafter16, rng):
     session.extend(features, int(count))
     history = np.append(history, np.asarray(out[:2])).astype(np.int32)
     session.observe(1, history)
-    assert session.length == int(session.cache.length) == int(kv.lengths[0]) == len(history) - 1 == 132
+    assert session.rows == int(kv.lengths[0]) == len(history) - 1 == 132
+    drafts = np.asarray(session.propose(history, 7).drafts)
+    assert session.length == int(session.cache.length) == 132
 
     d = drafter16
     _, _, taps = qwen3.hidden_states(model.params, cfg, history[None, :-1], np.arange(132)[None], taps=session.taps)
@@ -263,7 +272,7 @@ def test_context_rows_only_for_committed_tokens(tiny, drafter16, rng):
     want = draft_block(d.params, d.cfg, fresh, model.params, cfg, history[-1], 132, k=7)
     got = draft_block(d.params, d.cfg, session.cache, model.params, cfg, history[-1], 132, k=7)
     assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 1e-4
-    np.testing.assert_array_equal(np.asarray(session.propose(history, 7).drafts), np.argmax(want, axis=-1))
+    np.testing.assert_array_equal(drafts, np.argmax(want, axis=-1))
 
 
 # ------------------------------------------------------------------------ exactness
@@ -276,6 +285,22 @@ def test_greedy_equals_plain(tiny, drafter16, rng):
         spec = specjax.generate(model, ids, max_new_tokens=40, speculative=DFlashProposer(drafter16, k=k))
         assert spec.tokens == plain.tokens, k
         assert spec.stats.drafted > 0
+
+
+def test_adaptive_with_lookup_equals_plain(tiny, drafter16, rng):
+    """Mixed with prompt lookup, DFlash drafts after stretches of steps it sat out (its
+    context catches up from the stash then) and the output stays plain decoding's."""
+    model = tiny[2]
+    base = rng.integers(0, model.config.vocab_size, 9)
+    ids = np.concatenate([base, base, base, rng.integers(0, model.config.vocab_size, 4)])
+    prop = Adaptive(NgramProposer(k=15), DFlashProposer(drafter16, k=7))
+    for sampling in (Sampling(), SAMPLED):
+        seed = int(rng.integers(1 << 31))
+        plain = specjax.generate(model, ids, max_new_tokens=60, sampling=sampling, seed=seed)
+        spec = specjax.generate(model, ids, max_new_tokens=60, sampling=sampling, seed=seed, speculative=prop)
+        assert spec.tokens == plain.tokens
+        used = [i for i, (p, k) in enumerate(spec.stats.choices) if p == 1 and k]
+        assert used and any(spec.stats.choices[i - 1][0] != 1 or not spec.stats.choices[i - 1][1] for i in used)
 
 
 def test_sampled(tiny, drafter16, rng):
