@@ -254,3 +254,18 @@ def test_kill_and_resume_continues_identically(cyclic, data, tmp_path, monkeypat
     for run in ("full", "resumed"):
         rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [2, 4, 6] and all("train_loss" in r for r in rows)
+
+
+def test_init_starts_from_a_saved_drafter(cyclic, data, tmp_path):
+    """--init: a fresh run's step-0 weights are the saved drafter's (stacked for training);
+    a drafter of another shape is refused."""
+    target, _ = cyclic
+    cfg = _cfg(target)
+    saved = dflash.Drafter(dflash.init_params(cfg, jax.random.key(5), std=0.2), cfg, jnp.float32)
+    dflash.save_dflash(tmp_path / "saved", saved, dtype="float32")
+    tc = trainer.DFlashTrainConfig(steps=2, batch=2, anchors=4, lr=0.0, save_every_minutes=0)  # lr 0: no move
+    out = trainer.train(target, cfg, tc, data, tmp_path / "run", init=tmp_path / "saved")
+    assert_trees_equal(out["params"], saved.params)
+    other = _cfg(target).__class__(**{**dataclasses.asdict(cfg), "block_size": 4})
+    with pytest.raises(ValueError, match="--init drafter differs"):
+        trainer.train(target, other, tc, data, tmp_path / "run2", init=tmp_path / "saved")

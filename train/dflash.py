@@ -41,7 +41,7 @@ import optax
 from tqdm import tqdm
 
 import specjax
-from specjax import dflash, qwen3
+from specjax import checkpoint, dflash, qwen3
 from specjax.checkpoint import Params
 from specjax.config import Qwen3Config
 from specjax.dflash import DFlashConfig
@@ -154,6 +154,16 @@ def initial_state(cfg: DFlashConfig, tc: DFlashTrainConfig) -> dict:
     return {"params": params, "opt_state": lm.make_optimizer(tc).init(params)}
 
 
+def state_from_drafter(folder: Path, cfg: DFlashConfig, tc: DFlashTrainConfig, target: specjax.Model) -> dict:
+    """{"params", "opt_state"} starting from a saved drafter (e.g. to follow a retrained target)."""
+    saved = dflash.load_dflash(folder, target, jnp.float32)
+    if saved.cfg != cfg:
+        raise ValueError(f"{folder}: --init drafter differs from the one asked for: {saved.cfg} vs {cfg}")
+    params = checkpoint.stack(saved.params, dflash.DRAFT_LAYERS)
+    print(f"initialised from {folder}")
+    return {"params": params, "opt_state": lm.make_optimizer(tc).init(params)}
+
+
 def sample_anchors(lengths: np.ndarray, prompt_len: int, n: int, rng: np.random.Generator
                    ) -> tuple[np.ndarray, np.ndarray]:
     """n distinct sorted reply positions per sequence with a real token after them:
@@ -215,8 +225,11 @@ def heldout_prompts(tokenizer: Any, n: int, prompt_len: int) -> list[tuple[str, 
 # ---------------------------------------------------------------------------- loop
 
 def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data: Sequences, run_dir: Path,
-          out_dir: Path | None = None, eval_prompts: Sequence[tuple[str, Sequence[int]]] = ()) -> dict:
+          out_dir: Path | None = None, eval_prompts: Sequence[tuple[str, Sequence[int]]] = (),
+          init: Path | None = None) -> dict:
     """Train (or resume) a drafter until ``tc.steps``; returns {"params", "opt_state", "step"}.
+
+    A fresh run starts from random weights, or from the drafter folder `init`.
 
     metrics.jsonl gets a row of mean training loss and train tau every ``tc.log_every``
     steps, and with `eval_prompts` a row of evaluate_tau() at step 0 of a fresh run and
@@ -231,7 +244,7 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     record = {"best_tau": None, "drafter": cfg.to_hf()}
     fresh = functools.partial(initial_state, cfg, tc)
     if step == 0:
-        state = jax.jit(fresh)()
+        state = state_from_drafter(init, cfg, tc, target) if init else jax.jit(fresh)()
     else:
         state, record = ckpts.restore(jax.eval_shape(fresh))
         if record["drafter"] != cfg.to_hf():
@@ -297,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=2, help="drafter layers")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--target-layer-ids", type=_layer_ids, help="comma-separated taps (default: z-lab's spread)")
+    p.add_argument("--init", type=Path, help="start a fresh run from this drafter folder (same config)")
     p.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts per workload (edit, complete)")
     p.add_argument("--eval-prompt-len", type=int, default=300)
     lm.add_config_flags(p, DataConfig)
@@ -318,7 +332,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("interrupted: finished shards are kept; rerun to continue")
         return
-    train(target, cfg, tc, data, run, args.out, heldout_prompts(tok, args.eval_prompts, args.eval_prompt_len))
+    train(target, cfg, tc, data, run, args.out, heldout_prompts(tok, args.eval_prompts, args.eval_prompt_len),
+          args.init)
 
 
 if __name__ == "__main__":
