@@ -98,8 +98,7 @@ def warm_verify(target: Model, proposers: list[Any], capacities: set[int], sampl
     from . import kv as kvlib
     from . import steps
 
-    taps_sets = {()} | {tuple(getattr(p, "drafter").cfg.target_layer_ids) for p in _leaves(proposers)
-                        if hasattr(p, "drafter")}
+    taps_sets = {()} | {p.drafter.cfg.target_layer_ids for p in _leaves(proposers) if hasattr(p, "drafter")}
     for taps in taps_sets:
         for capacity in capacities:
             for width in steps.BUCKETS:

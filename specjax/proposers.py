@@ -33,6 +33,7 @@ from . import dflash as dflashlib
 from . import kv as kvlib
 from . import steps
 from .model import Model
+from .qwen3 import head_weight
 from .sampling import Sampling
 
 
@@ -214,8 +215,8 @@ class DFlashProposer:
         weight bytes over the target's, times the prior cost of B rows against one."""
         from .adaptive import prior_verify_ratio
 
-        head = target.params["model.embed_tokens.weight" if target.config.tie_word_embeddings else "lm_head.weight"]
-        ratio = (_weight_bytes(self.drafter.params) + head.nbytes) / _weight_bytes(target.params)
+        head = head_weight(target.params, target.config).nbytes
+        ratio = (_weight_bytes(self.drafter.params) + head) / _weight_bytes(target.params)
         return ratio * prior_verify_ratio()[steps.bucket(self.drafter.cfg.block_size)], False
 
     def start(self, target: Model, prompt: np.ndarray, capacity: int, seed: int, sampling: Sampling) -> Session:

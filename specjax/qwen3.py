@@ -155,9 +155,14 @@ def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions
     return h, kv, tapped
 
 
+def head_weight(params: Params, cfg: Qwen3Config) -> jax.Array:
+    """The output projection [V, D]: the embedding table when tied."""
+    return params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+
+
 def unembed(params: Params, cfg: Qwen3Config, h: jax.Array) -> jax.Array:
     """Logits in float32 from final hidden states."""
-    w = params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+    w = head_weight(params, cfg)
     return jax.lax.dot_general(h, w, (((h.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
