@@ -64,3 +64,13 @@ def test_new_name_follows_old_style_and_no_candidates_gives_none():
     ex = make_edit(snippet, random.Random(0))
     assert ex.old == "Parser" and ex.new[0].isupper() and "_" not in ex.new
     assert make_edit("x = 1\nprint(len([]))\n", random.Random(0)) is None
+
+
+def test_prefix_fraction_counts_up_to_the_first_mistake():
+    from train.evaluate import prefix_fraction
+
+    assert prefix_fraction("def spam(x):", "def spam(x):") == 1.0
+    assert prefix_fraction("def spam(y):", "def spam(x):") == 9 / 12
+    assert prefix_fraction("def sp", "def spam(x):") == 6 / 12  # stopped early
+    assert prefix_fraction("def spam(x): pass", "def spam(x):") == 1.0  # more after it
+    assert prefix_fraction("", "abc") == 0.0

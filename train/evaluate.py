@@ -34,17 +34,26 @@ def heldout_loss(model: specjax.Model, tokens: np.ndarray, seq: int = 512, windo
     return float(np.mean(losses))
 
 
+def prefix_fraction(got: str, want: str) -> float:
+    """Share of `want` that `got` reproduces before its first differing character."""
+    same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return same / len(want) if want else 1.0
+
+
 def rename_accuracy(model: specjax.Model, n: int, prompt_tokens: int = 300) -> dict:
-    """Fraction of held-out rename edits whose greedy reply is exactly the renamed snippet."""
+    """Held-out rename edits: the fraction whose greedy reply is exactly the renamed snippet,
+    and the mean share of the snippet reproduced before the first mistake."""
     tok = model.tokenizer
-    right = 0
+    right, prefix = 0, 0.0
     for p in edit_prompts(tok, n, prompt_tokens, seed=1):
         want = len(tok(p.answer)["input_ids"])
         room = model.config.max_position_embeddings - len(p.ids)
         out = specjax.generate(model, p.ids, max_new_tokens=min(want + 8, room), stop_ids=model.eos_ids,
                                speculative=specjax.NgramProposer(k=7))
-        right += tok.decode(out.tokens).startswith(p.answer)
-    return {"edits": n, "exact": right, "accuracy": right / n}
+        got = tok.decode(out.tokens)
+        right += got.startswith(p.answer)
+        prefix += prefix_fraction(got, p.answer)
+    return {"edits": n, "exact": right, "accuracy": right / n, "mean_prefix_right": prefix / n}
 
 
 def continuations(model: specjax.Model, n: int, new_tokens: int = 64) -> list[dict]:
