@@ -86,7 +86,7 @@ class KChooser:
     steps_run: int = 0
     model_step: int = 0                # the last step a non-free arm drafted
     probe_gap: int = 0                 # idle steps before the next probe (starts at probe_every)
-    warm: set = dataclasses.field(default_factory=set)  # (table, key) timed once already
+    warm: set = dataclasses.field(default_factory=set)  # ("verify" | "propose", key) seen once already
 
     def __post_init__(self) -> None:
         self.accepts = np.zeros((len(self.max_ks), steps.BUCKETS[-1] - 1))

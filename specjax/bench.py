@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .adaptive import Adaptive
+from .checkpoint import weight_bytes
 from .loop import capacity_for, generate
 from .model import Model, load
 from .proposers import DraftProposer, NgramProposer
@@ -246,12 +247,12 @@ def step_profile(model: Model, ts: tuple[int, ...], context: int = 512, rounds: 
             times[t].append(once(t))
     base = times[ts[0]]
     ratios = {t: statistics.median([a / b for a, b in zip(times[t], base)]) for t in ts}
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    nbytes = weight_bytes(model.params)
     bw = measure_bandwidth()
-    floor_s = weight_bytes / (bw * 1e9)
+    floor_s = nbytes / (bw * 1e9)
     t1 = statistics.median(base)
     return {"context": context, "ms": {t: _spread([x * 1e3 for x in v]) for t, v in times.items()},
-            "ratio_to_T1": ratios, "weight_bytes": weight_bytes, "bandwidth_GBps": bw,
+            "ratio_to_T1": ratios, "weight_bytes": nbytes, "bandwidth_GBps": bw,
             "floor_ms": floor_s * 1e3, "decode_ms": t1 * 1e3, "decode_over_floor": t1 / floor_s}
 
 

@@ -91,6 +91,11 @@ def from_hf(tensors: dict[str, Any], cfg: Qwen3Config) -> Params:
     return params
 
 
+def weight_bytes(params: Params) -> int:
+    """Bytes of every array in the tree (what one full forward pass reads)."""
+    return sum(x.nbytes for x in jax.tree.leaves(params))
+
+
 def unstack(params: Params, key: str = LAYERS) -> Params:
     """Inference layout: the layers (`params[key]`) as a tuple of per-layer trees.
 

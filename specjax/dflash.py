@@ -298,16 +298,11 @@ def _split_qkv(cfg: DFlashConfig, qkv: jax.Array) -> list[jax.Array]:
     return jnp.split(qkv, [nh * hd, (nh + nk) * hd], axis=-1)
 
 
-def _layer_trees(params: Params) -> list[Params]:
-    """The drafter layers as per-layer trees, from either layout (see checkpoint.unstack).
-
-    Drafters have a handful of layers, so both layouts unroll into one traced copy per
-    layer; the unstacked one reads each layer's weights in place.
-    """
-    layers = params[DRAFT_LAYERS]
-    if isinstance(layers, tuple):
-        return list(layers)
-    return [{k: v[i] for k, v in layers.items()} for i in range(len(layers["input_layernorm.weight"]))]
+def _layer_trees(params: Params) -> tuple[Params, ...]:
+    """The drafter layers as per-layer trees, from either layout. Drafters have a handful of
+    layers, so both unroll into one traced copy per layer; the loaded (unstacked) layout
+    reads each layer's weights in place."""
+    return checkpoint.unstack(params, DRAFT_LAYERS)[DRAFT_LAYERS]
 
 
 def _context_kv(params: Params, cfg: DFlashConfig, x: jax.Array, positions: jax.Array

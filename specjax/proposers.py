@@ -32,6 +32,7 @@ import numpy as np
 from . import dflash as dflashlib
 from . import kv as kvlib
 from . import steps
+from .checkpoint import weight_bytes
 from .model import Model
 from .qwen3 import head_weight
 from .sampling import Sampling
@@ -57,10 +58,6 @@ class Session(Protocol):
 def _check_k(k: int, largest: int) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= largest:
         raise ProposerError(f"k must be an integer in [1, {largest}], got {k!r}")
-
-
-def _weight_bytes(params: Any) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(params))
 
 
 def ngram_lookup(history: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> tuple[np.ndarray, int]:
@@ -133,7 +130,7 @@ class DraftProposer:
 
     def cost_prior(self, target: Model) -> tuple[float, bool]:
         """Each draft is a decode step of the draft model: its weight bytes over the target's."""
-        return _weight_bytes(self.model.params) / _weight_bytes(target.params), True
+        return weight_bytes(self.model.params) / weight_bytes(target.params), True
 
     def start(self, target: Model, prompt: np.ndarray, capacity: int, seed: int, sampling: Sampling) -> Session:
         if self.model.config.vocab_size != target.config.vocab_size:
@@ -216,7 +213,7 @@ class DFlashProposer:
         from .adaptive import prior_verify_ratio
 
         head = head_weight(target.params, target.config).nbytes
-        ratio = (_weight_bytes(self.drafter.params) + head) / _weight_bytes(target.params)
+        ratio = (weight_bytes(self.drafter.params) + head) / weight_bytes(target.params)
         return ratio * prior_verify_ratio()[steps.bucket(self.drafter.cfg.block_size)], False
 
     def start(self, target: Model, prompt: np.ndarray, capacity: int, seed: int, sampling: Sampling) -> Session:
@@ -254,10 +251,10 @@ class _DFlashSession:
         self.rows += count
 
     def _catch_up(self) -> None:
+        d = self.spec.drafter
         while self.length < self.rows:
             n = min(self.rows - self.length, CATCH_UP_WIDTHS[-1])
             width = steps.bucket(n, CATCH_UP_WIDTHS)
-            d = self.spec.drafter
             self.cache = dflashlib.append_stashed(d.params, d.cfg, self.cache, self.stash, np.int32(n), width)
             self.length += n
 
