@@ -58,3 +58,18 @@ def test_training_documents_hold_no_heldout_text():
         assert answer == rename_identifier(snippet, old, new)
         # The snippet is a run of lines of some training file (up to indentation).
         assert _stripped_lines(snippet.rstrip("\n")) in train_lines
+
+
+def test_heldout_mixture_cuts_edits_from_heldout_files_only():
+    train_files, heldout_files = corpus.split(corpus.stdlib_files())
+    heldout_texts = corpus.read_sources(heldout_files)[0]
+    assert list(corpus.heldout_documents()) == heldout_texts  # default: the files alone
+    heldout_lines = _stripped_lines("\n".join(heldout_texts))
+
+    docs = list(corpus.heldout_documents(seed=3, edit_share=0.5))
+    edits = [d for d in docs if d not in set(heldout_texts)]
+    assert sorted(d for d in docs if d in set(heldout_texts)) == sorted(heldout_texts)
+    assert abs(sum(map(len, edits)) / sum(map(len, docs)) - 0.5) < 0.03
+    for doc in edits:
+        match = INSTRUCTION.search(doc)
+        assert _stripped_lines(doc[: match.start()].rstrip("\n")) in heldout_lines

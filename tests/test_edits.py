@@ -74,3 +74,36 @@ def test_prefix_fraction_counts_up_to_the_first_mistake():
     assert prefix_fraction("def sp", "def spam(x):") == 6 / 12  # stopped early
     assert prefix_fraction("def spam(x): pass", "def spam(x):") == 1.0  # more after it
     assert prefix_fraction("", "abc") == 0.0
+
+
+def test_teacher_forced_hits_match_transformers_and_split_on_the_new_name():
+    """Hits re-derived with transformers' forward, the new-name tokens found by decoding
+    prefixes of the reply (not from the tokenizer's offsets)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import specjax
+    from train.evaluate import teacher_forced_hits
+    from train.prompts import Prompt
+
+    from test_tokenizer import SHIPPED as folder
+
+    model = specjax.load(folder)
+    tok = model.tokenizer
+    snippet = "def spam(x):\n    return spam(x - 1) + spammy\n\n\nprint(spam(3))\n"
+    answer = rename_identifier(snippet, "spam", "eggs_value")
+    ids = [tok.eos_token_id] + tok(render_prompt(snippet, "spam", "eggs_value"))["input_ids"]
+    got = teacher_forced_hits(model, Prompt("edit", ids, "", answer))
+
+    reply = tok(answer)["input_ids"]
+    ref = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = ref(torch.tensor([ids + reply])).logits[0, len(ids) - 1:-1]
+    hits = logits.argmax(-1).numpy() == np.asarray(reply)
+    starts = [len(tok.decode(reply[:i])) for i in range(len(reply) + 1)]
+    spans = [(i, i + len("eggs_value")) for i in range(len(answer)) if answer.startswith("eggs_value", i)]
+    is_new = np.array([any(a < e and b > s for s, e in spans) for a, b in zip(starts, starts[1:])])
+    assert is_new.sum() >= 3  # the three renamed occurrences, `spammy` untouched
+    assert got["rename"] == (int(hits[is_new].sum()), int(is_new.sum()))
+    assert got["copy"] == (int(hits[~is_new].sum()), int((~is_new).sum()))

@@ -83,15 +83,14 @@ def read_sources(files: Iterable[Path]) -> tuple[list[str], int]:
     return texts, skipped
 
 
-def training_documents(seed: int = 0, edit_share: float = EDIT_SHARE) -> Iterator[str]:
-    """One epoch of training documents: every training file once, in a seeded order,
-    interleaved with rename-edit examples cut from (other) random training files so that
-    they make up about ``edit_share`` of the characters."""
-    sources, _ = read_sources(split(stdlib_files())[0])
+def _mixed(sources: list[str], seed: int, edit_share: float) -> Iterator[str]:
+    """Every text of ``sources`` once, in a seeded order, interleaved with rename-edit
+    examples cut from random texts of ``sources`` so that they make up about
+    ``edit_share`` of the characters."""
     rng = random.Random(seed)
     order = list(range(len(sources)))
     rng.shuffle(order)
-    edits = edit_examples(sources, rng)
+    edits = edit_examples(sources, rng) if edit_share > 0 else None
     budget = 0.0
     for i in order:
         yield sources[i]
@@ -102,6 +101,15 @@ def training_documents(seed: int = 0, edit_share: float = EDIT_SHARE) -> Iterato
             yield text
 
 
-def heldout_documents() -> Iterator[str]:
-    """Every held-out file's text, in path order."""
-    yield from read_sources(split(stdlib_files())[1])[0]
+def training_documents(seed: int = 0, edit_share: float = EDIT_SHARE) -> Iterator[str]:
+    """One epoch of training documents: every training file once, mixed with rename edits
+    cut from training files (about ``edit_share`` of the characters)."""
+    yield from _mixed(read_sources(split(stdlib_files())[0])[0], seed, edit_share)
+
+
+def heldout_documents(seed: int = 0, edit_share: float = 0.0) -> Iterator[str]:
+    """Every held-out file's text: in path order without edits; with ``edit_share`` > 0,
+    in a seeded order mixed with rename edits cut from held-out files (a held-out set
+    of the training mixture)."""
+    sources = read_sources(split(stdlib_files())[1])[0]
+    yield from _mixed(sources, seed, edit_share) if edit_share > 0 else sources

@@ -2,13 +2,19 @@
 
 A shard is one flat ``uint16`` array (``.npy``): every document's tokens followed by the
 eos id. ``train.npy`` holds one epoch of :func:`train.corpus.training_documents` (files
-plus rename edits), ``heldout.npy`` the held-out files; ``meta.json`` records sizes.
+plus rename edits), ``heldout.npy`` the held-out files (mixed with edits cut from them at
+the same share when it is not the default); ``meta.json`` records sizes.
+
+``python -m train.data --out runs/data-edits --seed 1 --edit-share 0.5`` tokenizes another
+epoch with an existing tokenizer (a new file order and new edits, or another mixture);
+``python -m train.tokenizer --shards`` builds the default shards with a new tokenizer.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -34,15 +40,24 @@ def encode_documents(tokenizer: Tokenizer, docs: Iterable[str], desc: str, chunk
     return tokens, {"documents": len(docs), "chars": chars, "bytes": nbytes, "tokens": int(tokens.size)}
 
 
-def build_shards(tokenizer_dir: Path, out_dir: Path, seed: int = 0) -> dict:
-    """Write ``train.npy``, ``heldout.npy`` and ``meta.json`` to ``out_dir``; returns the meta."""
+def build_shards(tokenizer_dir: Path, out_dir: Path, seed: int = 0, edit_share: float = corpus.EDIT_SHARE) -> dict:
+    """Write ``train.npy``, ``heldout.npy`` and ``meta.json`` to ``out_dir``; returns the meta.
+
+    With the default edit share the held-out shard is the held-out files alone (the
+    language-model loss reported so far); with another share it is their mixture at that
+    share, so held-out loss measures what the run trains on."""
     tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
     if tokenizer.get_vocab_size() > np.iinfo(np.uint16).max + 1:
         raise ValueError(f"vocab of {tokenizer_dir} does not fit uint16 shards")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"tokenizer": str(tokenizer_dir), "seed": seed, "eos_id": tokenizer.token_to_id(EOS)}
-    for name, docs in (("train", corpus.training_documents(seed)), ("heldout", corpus.heldout_documents())):
+    if not 0.0 <= edit_share < 1.0:
+        raise ValueError(f"edit_share must be in [0, 1), got {edit_share}")
+    meta = {"tokenizer": str(tokenizer_dir), "seed": seed, "edit_share": edit_share,
+            "eos_id": tokenizer.token_to_id(EOS)}
+    heldout_share = 0.0 if edit_share == corpus.EDIT_SHARE else edit_share
+    for name, docs in (("train", corpus.training_documents(seed, edit_share)),
+                       ("heldout", corpus.heldout_documents(seed, heldout_share))):
         tokens, meta[name] = encode_documents(tokenizer, docs, desc=f"tokenizing {name}")
         np.save(out_dir / f"{name}.npy", tokens)
         print(f"{name}: {meta[name]}")
@@ -60,3 +75,19 @@ def random_batches(tokens: np.ndarray, batch: int, seq_len: int, rng: np.random.
     ``[batch, seq_len + 1]`` (inputs are ``[:, :-1]``, targets ``[:, 1:]``)."""
     starts = rng.integers(0, tokens.size - seq_len, size=batch)
     return np.stack([tokens[s : s + seq_len + 1] for s in starts]).astype(np.int32)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m train.data", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokenizer", type=Path, default=Path("checkpoints/tiny-code"), help="folder with tokenizer.json")
+    p.add_argument("--out", type=Path, required=True, help="shard directory to write")
+    p.add_argument("--seed", type=int, default=0, help="file order and edit examples")
+    p.add_argument("--edit-share", type=float, default=corpus.EDIT_SHARE, help="share of characters that are rename edits")
+    args = p.parse_args(argv)
+    if not (args.tokenizer / "tokenizer.json").is_file():
+        p.error(f"{args.tokenizer}/tokenizer.json not found")
+    build_shards(args.tokenizer, args.out, args.seed, args.edit_share)
+
+
+if __name__ == "__main__":
+    main()

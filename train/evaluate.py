@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,8 +20,9 @@ import optax
 
 import specjax
 from specjax import qwen3
-from train.data import load_shard
-from train.prompts import completion_prompts, edit_prompts
+from train import corpus
+from train.data import encode_documents
+from train.prompts import Prompt, completion_prompts, edit_prompts
 
 
 def heldout_loss(model: specjax.Model, tokens: np.ndarray, seq: int = 512, windows: int = 48) -> float:
@@ -40,12 +42,33 @@ def prefix_fraction(got: str, want: str) -> float:
     return same / len(want) if want else 1.0
 
 
+def teacher_forced_hits(model: specjax.Model, prompt: Prompt) -> dict:
+    """Greedy next-token hits on the reply of an edit prompt given the true reply so far,
+    split into tokens that touch the new name and the rest (the copied snippet): whether
+    the model copies, and whether it renames, before it gets whole edits right."""
+    tok = model.tokenizer
+    new = re.search(r"# Rename `\w+` to `(\w+)`\.\n$", tok.decode(prompt.ids[-60:])).group(1)
+    renamed = [m.span() for m in re.finditer(rf"\b{new}\b", prompt.answer)]
+    enc = tok(prompt.answer, return_offsets_mapping=True)
+    ids = np.asarray(prompt.ids + enc["input_ids"], np.int32)
+    logits, _, _ = qwen3.forward(model.params, model.config, ids[None, :-1], np.arange(len(ids) - 1)[None])
+    hits = np.asarray(jnp.argmax(logits[0, len(prompt.ids) - 1:], -1)) == ids[len(prompt.ids):]
+    is_new = np.array([any(s < e2 and e > s2 for s2, e2 in renamed) for s, e in enc["offset_mapping"]], bool)
+    return {"copy": (int(hits[~is_new].sum()), int((~is_new).sum())),
+            "rename": (int(hits[is_new].sum()), int(is_new.sum()))}
+
+
 def rename_accuracy(model: specjax.Model, n: int, prompt_tokens: int = 300) -> dict:
     """Held-out rename edits: the fraction whose greedy reply is exactly the renamed snippet,
-    and the mean share of the snippet reproduced before the first mistake."""
+    the mean share of the snippet reproduced before the first mistake, and teacher-forced
+    token accuracy on the copied and on the renamed tokens (:func:`teacher_forced_hits`)."""
     tok = model.tokenizer
     right, prefix = 0, 0.0
+    hits = {"copy": [0, 0], "rename": [0, 0]}
     for p in edit_prompts(tok, n, prompt_tokens, seed=1):
+        for kind, (h, total) in teacher_forced_hits(model, p).items():
+            hits[kind][0] += h
+            hits[kind][1] += total
         want = len(tok(p.answer)["input_ids"])
         room = model.config.max_position_embeddings - len(p.ids)
         out = specjax.generate(model, p.ids, max_new_tokens=min(want + 8, room), stop_ids=model.eos_ids,
@@ -53,7 +76,8 @@ def rename_accuracy(model: specjax.Model, n: int, prompt_tokens: int = 300) -> d
         got = tok.decode(out.tokens)
         right += got.startswith(p.answer)
         prefix += prefix_fraction(got, p.answer)
-    return {"edits": n, "exact": right, "accuracy": right / n, "mean_prefix_right": prefix / n}
+    return {"edits": n, "exact": right, "accuracy": right / n, "mean_prefix_right": prefix / n,
+            **{f"{kind}_token_accuracy": h / max(total, 1) for kind, (h, total) in hits.items()}}
 
 
 def continuations(model: specjax.Model, n: int, new_tokens: int = 64) -> list[dict]:
@@ -68,14 +92,13 @@ def continuations(model: specjax.Model, n: int, new_tokens: int = 64) -> list[di
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__)
     ap.add_argument("--model", type=Path, default=Path("checkpoints/tiny-code"))
-    ap.add_argument("--data", type=Path, default=Path("runs/data"), help="shard dir with heldout.npy and meta.json")
     ap.add_argument("--edits", type=int, default=20)
     ap.add_argument("--samples", type=int, default=3)
     args = ap.parse_args(argv)
     model = specjax.load(args.model)
-    meta = json.loads((args.data / "meta.json").read_text())
-    loss = heldout_loss(model, load_shard(args.data / "heldout.npy"))
-    bytes_per_token = meta["heldout"]["bytes"] / meta["heldout"]["tokens"]
+    tokens, stats = encode_documents(model.tokenizer.backend_tokenizer, corpus.heldout_documents(), "held-out files")
+    loss = heldout_loss(model, tokens)
+    bytes_per_token = stats["bytes"] / stats["tokens"]
     report = {
         "model": str(args.model),
         "parameters": int(sum(np.prod(x.shape) for x in jax.tree.leaves(model.params))),
