@@ -34,7 +34,7 @@ class BenchConfig:
     model: Path
     draft: Path | None = None
     dflash: Path | None = None
-    workloads: tuple[str, ...] = ("edit", "complete")
+    workloads: tuple[str, ...] = ("edit", "complete", "novel")
     samplings: tuple[str, ...] = ("greedy", "sampled")
     prompts: int = 2
     prompt_tokens: int = 880

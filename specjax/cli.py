@@ -82,7 +82,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--reps", type=_positive, help="timed repetitions per prompt (after one warm-up)")
     p.add_argument("--new-tokens", type=_positive, help="tokens generated per run")
     p.add_argument("--prompt-tokens", type=_positive, help="approximate prompt length")
-    p.add_argument("--workloads", nargs="+", choices=["edit", "complete"])
+    p.add_argument("--workloads", nargs="+", choices=["edit", "complete", "novel"])
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="JSON, markdown and PNG output folder")
 

@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 import specjax
@@ -103,3 +104,18 @@ def test_method_rows_fit_the_proposers(tmp_path):
     cfg = bench.BenchConfig(model=target_dir, dflash=tmp_path / "d", dflash_ks=(2, 7, 15), ngram_ks=(3,))
     names = [(name, k) for name, k, _ in bench._methods(cfg, target)]
     assert names == [("plain", 0), ("ngram", 3), ("dflash", 2), ("dflash", 3), ("adaptive-ngram", 0), ("adaptive", 0)]
+
+
+def test_novel_prompts_give_prompt_lookup_nothing_to_copy():
+    from transformers import AutoTokenizer
+
+    from specjax.proposers import ngram_lookup
+
+    tok = AutoTokenizer.from_pretrained(SHIPPED_TOKENIZER)
+    prompts = workload(tok, "novel", 3, 400, seed=5)
+    assert prompts == workload(tok, "novel", 3, 400, seed=5) and prompts != workload(tok, "novel", 3, 400, seed=6)
+    for p in prompts:
+        assert len(p.ids) == 400 and not set(p.ids) & set(tok.all_special_ids)
+        assert min(p.ids) >= 0 and max(p.ids) < len(tok)
+        found, n = ngram_lookup(np.asarray(p.ids, np.int32), 7, 3, 2)  # no repeated bigram to copy from
+        assert n == 0

@@ -4,7 +4,9 @@ Two workloads, both cut from held-out stdlib files (train.corpus split rule):
 - edit: a rename instruction (train.edits format) whose reply copies the snippet with one
   identifier changed; preceded by held-out code of the same file and an end-of-text token,
   as documents are packed in training, to reach the requested prompt length;
-- complete: a window of held-out code ending at a line boundary, to be continued.
+- complete: a window of held-out code ending at a line boundary, to be continued;
+- novel: uniformly random tokens, a prompt in which prompt lookup finds nothing to copy
+  (what speculation costs when drafts fail).
 """
 
 from __future__ import annotations
@@ -78,9 +80,17 @@ def completion_prompts(tokenizer: Any, n: int, prompt_tokens: int, seed: int = 0
     return out
 
 
+def novel_prompts(tokenizer: Any, n: int, prompt_tokens: int, seed: int = 0) -> list[Prompt]:
+    """n prompts of prompt_tokens tokens drawn uniformly from the non-special vocabulary."""
+    rng = random.Random(seed)
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    return [Prompt("novel", [rng.choice(vocab) for _ in range(prompt_tokens)], "random tokens") for _ in range(n)]
+
+
 def workload(tokenizer: Any, kind: str, n: int, prompt_tokens: int, seed: int = 0) -> list[Prompt]:
     """Prompts of one workload by name."""
-    makers = {"edit": edit_prompts, "complete": completion_prompts}
+    makers = {"edit": edit_prompts, "complete": completion_prompts, "novel": novel_prompts}
     if kind not in makers:
         raise ValueError(f"unknown workload {kind!r}; choose from {sorted(makers)}")
     return makers[kind](tokenizer, n, prompt_tokens, seed)
