@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import cpu_attention
 from . import kv as kvlib
 from .checkpoint import LAYERS, Params
 from .config import Qwen3Config
@@ -105,9 +106,12 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
         k_pool, v_pool, page_table, page_size, slot_pos = cache
         k_pool = kvlib.write(k_pool, layer, k, page_table, positions[:, 0], page_size)
         v_pool = kvlib.write(v_pool, layer, v, page_table, positions[:, 0], page_size)
-        mask = slot_pos[:, None, :] <= positions[:, :, None]  # [B, T, P*Z]
-        attn = attend_pool(q, kvlib.layer_slots(k_pool, layer).astype(q.dtype),
-                           kvlib.layer_slots(v_pool, layer).astype(q.dtype), mask)
+        if cpu_attention.applies(q, k_pool):
+            attn = cpu_attention.paged_attention(q, k_pool, v_pool, layer, slot_pos, positions)
+        else:
+            mask = slot_pos[:, None, :] <= positions[:, :, None]  # [B, T, P*Z]
+            attn = attend_pool(q, kvlib.layer_slots(k_pool, layer).astype(q.dtype),
+                               kvlib.layer_slots(v_pool, layer).astype(q.dtype), mask)
         cache = (k_pool, v_pool, page_table, page_size, slot_pos)
     x = x + linear(attn, lp["self_attn.o_proj.weight"], lp.get("self_attn.o_proj.bias"))
     h = rms_norm(x, lp["post_attention_layernorm.weight"], cfg.rms_norm_eps)
