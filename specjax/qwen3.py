@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import cpu_attention
+from . import cpu_kernels
 from . import kv as kvlib
 from .checkpoint import LAYERS, Params
 from .config import Qwen3Config
@@ -30,7 +30,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     """x [..., in] times a HF-oriented weight [out, in]."""
-    y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+    if cpu_kernels.applies_matmul(x, w):
+        y = cpu_kernels.matmul(x, w)
+    else:
+        y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
     return y if b is None else y + b
 
 
@@ -87,6 +90,14 @@ def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> ja
     return out.reshape(kh, b, t, g, e).transpose(1, 2, 0, 3, 4).reshape(b, t, h * e)
 
 
+def _attend_layer(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
+                  slot_pos: jax.Array, positions: jax.Array) -> jax.Array:
+    """XLA's attention of q [B, T, H, E] over one layer of the pools (see attend_pool)."""
+    mask = slot_pos[:, None, :] <= positions[:, :, None]  # [B, T, P*Z]
+    return attend_pool(q, kvlib.layer_slots(k_pool, layer).astype(q.dtype),
+                       kvlib.layer_slots(v_pool, layer).astype(q.dtype), mask)
+
+
 def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
            cache: tuple | None, layer: jax.Array) -> tuple[jax.Array, tuple | None]:
     """One decoder layer; returns the new residual stream and the updated pools."""
@@ -106,12 +117,10 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
         k_pool, v_pool, page_table, page_size, slot_pos = cache
         k_pool = kvlib.write(k_pool, layer, k, page_table, positions[:, 0], page_size)
         v_pool = kvlib.write(v_pool, layer, v, page_table, positions[:, 0], page_size)
-        if cpu_attention.applies(q, k_pool):
-            attn = cpu_attention.paged_attention(q, k_pool, v_pool, layer, slot_pos, positions)
+        if cpu_kernels.applies(q, k_pool):
+            attn = cpu_kernels.paged_attention(q, k_pool, v_pool, layer, slot_pos, positions, _attend_layer)
         else:
-            mask = slot_pos[:, None, :] <= positions[:, :, None]  # [B, T, P*Z]
-            attn = attend_pool(q, kvlib.layer_slots(k_pool, layer).astype(q.dtype),
-                               kvlib.layer_slots(v_pool, layer).astype(q.dtype), mask)
+            attn = _attend_layer(q, k_pool, v_pool, layer, slot_pos, positions)
         cache = (k_pool, v_pool, page_table, page_size, slot_pos)
     x = x + linear(attn, lp["self_attn.o_proj.weight"], lp.get("self_attn.o_proj.bias"))
     h = rms_norm(x, lp["post_attention_layernorm.weight"], cfg.rms_norm_eps)
@@ -167,6 +176,8 @@ def head_weight(params: Params, cfg: Qwen3Config) -> jax.Array:
 def unembed(params: Params, cfg: Qwen3Config, h: jax.Array) -> jax.Array:
     """Logits in float32 from final hidden states."""
     w = head_weight(params, cfg)
+    if cpu_kernels.applies_matmul(h, w):
+        return cpu_kernels.matmul(h, w)
     return jax.lax.dot_general(h, w, (((h.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 

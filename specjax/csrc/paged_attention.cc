@@ -17,55 +17,21 @@
 #include <limits>
 #include <vector>
 
+#include "parallel.h"
+#include "vec8.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// Eight floats as one value (GCC/Clang vector extension: AVX where the machine has it,
-// pairs of SSE registers otherwise).
-typedef float V8 __attribute__((vector_size(32)));
-
-inline V8 Load(const float* p) {
-  V8 r;
-  std::memcpy(&r, p, sizeof r);
-  return r;
-}
-
-inline void Store(float* p, V8 x) { std::memcpy(p, &x, sizeof x); }
-
-typedef int32_t V8i __attribute__((vector_size(32)));
-
-// exp of eight floats: Cody-Waite reduction to r in [-ln2/2, ln2/2] and Cephes' degree-6
-// polynomial for expf (within ~2 ulp of libm); 0 below the smallest normal result, so a
-// masked score (-inf) gets weight exactly 0. libm's scalar expf, one call per score, was
-// the kernel's largest cost at 8 queries per call.
-inline V8 Exp(V8 x) {
-  const V8i under = x < -87.33654f;
-  x = x < -87.33654f ? V8{} - 87.33654f : x;
-  x = x > 88.37626f ? V8{} + 88.37626f : x;
-  const V8 fx = x * 1.44269504088896341f + 0.5f;
-  V8 n = __builtin_convertvector(__builtin_convertvector(fx, V8i), V8);
-  n = n > fx ? n - 1.0f : n;  // floor
-  const V8 r = x - n * 0.693359375f - n * -2.12194440e-4f;
-  V8 y = 1.9875691500e-4f + V8{};
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const V8i bits = (__builtin_convertvector(n, V8i) + 127) << 23;
-  V8 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return under ? V8{} : y * scale;
-}
-
-// Sum of the eight lanes in a fixed order.
-inline float Lanes(V8 a) {
-  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-}
+using specjax::Exp;
+using specjax::Fma;
+using specjax::Lanes;
+using specjax::Load;
+using specjax::ParallelFor;
+using specjax::Store;
+using specjax::V8;
 
 // One (row, kv head): its T*G queries against the n slots in `seen` (slot indices, in
 // slot order), keys and values at kb / vb + slot * E. NV = E / 8 is a template argument
@@ -83,17 +49,35 @@ void Head(const float* qp, const float* kb, const float* vb, const int32_t* sp_r
       V8 qv[NV];
       for (int i = 0; i < NV; ++i) qv[i] = Load(qr + 8 * i);
       float* row = scores + r * S;
-      float m = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
-        const int32_t s = seen[j];
-        if (sp_row[s] > pos_row[t]) {
-          row[j] = -INFINITY;
-          continue;
+      // Four slots at a time: four independent FMA chains (one chain per score is
+      // latency-bound); each score is still the same chain as if computed alone.
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4) {
+        const float* k0 = kb + static_cast<int64_t>(seen[j]) * E;
+        const float* k1 = kb + static_cast<int64_t>(seen[j + 1]) * E;
+        const float* k2 = kb + static_cast<int64_t>(seen[j + 2]) * E;
+        const float* k3 = kb + static_cast<int64_t>(seen[j + 3]) * E;
+        V8 a0 = qv[0] * Load(k0), a1 = qv[0] * Load(k1), a2 = qv[0] * Load(k2), a3 = qv[0] * Load(k3);
+        for (int i = 1; i < NV; ++i) {
+          a0 = Fma(qv[i], Load(k0 + 8 * i), a0);
+          a1 = Fma(qv[i], Load(k1 + 8 * i), a1);
+          a2 = Fma(qv[i], Load(k2 + 8 * i), a2);
+          a3 = Fma(qv[i], Load(k3 + 8 * i), a3);
         }
-        const float* key = kb + static_cast<int64_t>(s) * E;
+        row[j] = Lanes(a0) * scale;
+        row[j + 1] = Lanes(a1) * scale;
+        row[j + 2] = Lanes(a2) * scale;
+        row[j + 3] = Lanes(a3) * scale;
+      }
+      for (; j < n; ++j) {
+        const float* key = kb + static_cast<int64_t>(seen[j]) * E;
         V8 acc = qv[0] * Load(key);
-        for (int i = 1; i < NV; ++i) acc += qv[i] * Load(key + 8 * i);
+        for (int i = 1; i < NV; ++i) acc = Fma(qv[i], Load(key + 8 * i), acc);
         row[j] = Lanes(acc) * scale;
+      }
+      float m = -INFINITY;
+      for (j = 0; j < n; ++j) {
+        if (sp_row[seen[j]] > pos_row[t]) row[j] = -INFINITY;
         m = row[j] > m ? row[j] : m;
       }
       // Every score goes through the same vector exp (the tail padded with -inf) and is
@@ -115,7 +99,8 @@ void Head(const float* qp, const float* kb, const float* vb, const int32_t* sp_r
         const float p = row[j];
         if (p == 0.0f) continue;
         const float* val = vb + static_cast<int64_t>(seen[j]) * E;
-        for (int i = 0; i < NV; ++i) acc[i] += p * Load(val + 8 * i);
+        const V8 pv = V8{} + p;
+        for (int i = 0; i < NV; ++i) acc[i] = Fma(pv, Load(val + 8 * i), acc[i]);
       }
       float* dst = out + (t * H + kh * G + g) * E;
       for (int i = 0; i < NV; ++i) Store(dst + 8 * i, acc[i] * inv);
@@ -138,7 +123,7 @@ HeadFn HeadFor(int64_t e) {
   }
 }
 
-ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slot_pos,
                               ffi::Buffer<ffi::S32> q_pos, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions();
@@ -158,20 +143,22 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, 
   const int32_t* sp = slot_pos.typed_data();
   const int32_t* pos = q_pos.typed_data();
 
-  thread_local std::vector<float> scores;
-  thread_local std::vector<int32_t> seen;  // slots some query of the row may see
-  scores.resize(T * G * S);
+  // Per row: the slots some query of the row may see, in slot order.
+  std::vector<std::vector<int32_t>> seen(B);
   for (int64_t b = 0; b < B; ++b) {
     int32_t max_pos = std::numeric_limits<int32_t>::min();
     for (int64_t t = 0; t < T; ++t) max_pos = pos[b * T + t] > max_pos ? pos[b * T + t] : max_pos;
-    seen.clear();
     for (int64_t s = 0; s < S; ++s)
-      if (sp[b * S + s] <= max_pos) seen.push_back(static_cast<int32_t>(s));
-    for (int64_t kh = 0; kh < K; ++kh)
-      head(q.typed_data() + b * T * H * E, k.typed_data() + (l * K + kh) * S * E,
-           v.typed_data() + (l * K + kh) * S * E, sp + b * S, pos + b * T, seen, T, G, H, kh, scale,
-           scores.data(), S, out->typed_data() + b * T * H * E);
+      if (sp[b * S + s] <= max_pos) seen[b].push_back(static_cast<int32_t>(s));
   }
+  ParallelFor(pool, B * K, [&](int64_t u) {
+    const int64_t b = u / K, kh = u % K;
+    thread_local std::vector<float> scores;
+    scores.resize(T * G * S);
+    head(q.typed_data() + b * T * H * E, k.typed_data() + (l * K + kh) * S * E,
+         v.typed_data() + (l * K + kh) * S * E, sp + b * S, pos + b * T, seen[b], T, G, H, kh, scale,
+         scores.data(), S, out->typed_data() + b * T * H * E);
+  });
   return ffi::Error::Success();
 }
 
@@ -179,6 +166,7 @@ ffi::Error PagedAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

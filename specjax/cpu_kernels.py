@@ -1,0 +1,187 @@
+"""Two small C++ kernels (XLA FFI) for the steps of decoding on CPU, where XLA:CPU is far
+from the memory-bandwidth floor (docs/performance.md, fourth pass):
+
+- `paged_attention`: attention of a step's few queries over the paged KV pool, read in
+  place. XLA copies each layer's pool slab and runs YNNPACK batched matmuls at 1-3 GB/s:
+  about half of the shipped model's decode step.
+- `matmul`: x [M, D] times a weight [N, D] for M <= 16 rows (decode, verify, drafting).
+  XLA switches to a packed GEMM from two rows on that costs ~2x a one-row GEMV, so a
+  verify step of 8 tokens cost 2x a decode step; the kernel streams the weight once.
+
+Both compute every output in a fixed order whatever the batch, so a token's logits in a
+verify step are bitwise those of the decode step that would have produced it.
+
+The sources (`csrc/*.cc`) are compiled on first use with the machine's C++ compiler
+(`$CXX`, else `c++`) against the FFI headers jaxlib ships, and cached by content hash under
+``~/.cache/specjax/kernels`` (or next to ``$SPECJAX_CACHE_DIR``). Where that is not possible
+(no compiler, not a CPU backend, not float32) or ``SPECJAX_CPU_KERNELS=off``, callers use
+XLA's own ops; :func:`available` says which, and why, once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from .runtime import cache_dir
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("paged_attention.cc", "skinny_matmul.cc")
+TARGETS = {"specjax_paged_attention": "SpecjaxPagedAttention", "specjax_skinny_matmul": "SpecjaxSkinnyMatmul"}
+# -ffp-contract=off: whether a multiply-add is fused was decided per template instance,
+# which made a row's result depend on how many rows shared the call.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
+# Head sizes the kernel is instantiated for (E / 8 vectors of eight floats).
+HEAD_DIMS = (16, 24, 32, 48, 64, 96, 128)
+# The attention kernel's work grows with the query rows of a call (B * T * G); past this
+# XLA's batched GEMM (prefill chunks) is the better tool.
+MAX_ROWS = 64
+# Rows the matmul kernel is instantiated for (one verify step of the largest width).
+MAX_MATMUL_ROWS = 16
+
+_state: dict[str, object] = {}
+
+
+def _kernel_dir() -> Path:
+    env = os.environ.get("SPECJAX_CACHE_DIR")
+    base = Path(env).parent if env and env != "off" else Path.home() / ".cache" / "specjax"
+    return base / "kernels"
+
+
+def _build() -> Path:
+    """The compiled library for these sources, compiler flags and jax version (built once)."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler found (set $CXX)")
+    include = jax.ffi.include_dir()
+    files = sorted(CSRC.glob("*.h")) + [CSRC / name for name in SOURCES]
+    digest = hashlib.sha256(repr((cxx, FLAGS, jax.__version__)).encode())
+    for f in files:
+        digest.update(f.read_bytes())
+    lib = _kernel_dir() / f"specjax-kernels-{digest.hexdigest()[:16]}.so"
+    if lib.is_file():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        out = Path(tmp) / lib.name
+        proc = subprocess.run([cxx, *FLAGS, f"-I{include}", *(str(CSRC / n) for n in SOURCES), "-o", str(out)],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"compiling {CSRC} failed:\n{proc.stderr[-2000:]}")
+        os.replace(out, lib)  # atomic: concurrent builders agree on one file
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernels are compiled and registered with XLA's CPU backend (tried once)."""
+    if "ok" not in _state:
+        if os.environ.get("SPECJAX_CPU_KERNELS", "").lower() in ("off", "0", "false"):
+            _state.update(ok=False, why="SPECJAX_CPU_KERNELS=off")
+        else:
+            try:
+                lib = ctypes.cdll.LoadLibrary(str(_build()))
+                for target, symbol in TARGETS.items():
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                _state.update(ok=True, why="")
+            except (OSError, RuntimeError, AttributeError) as err:
+                _state.update(ok=False, why=str(err))
+                warnings.warn(f"specjax: CPU kernels unavailable, using XLA's ops: {err}",
+                              RuntimeWarning, stacklevel=2)
+    return bool(_state["ok"])
+
+
+def _on_cpu(*arrays: jax.Array) -> bool:
+    return all(a.dtype == jnp.float32 for a in arrays) and jax.default_backend() == "cpu" and available()
+
+
+def applies(q: jax.Array, pool: jax.Array) -> bool:
+    """Whether a step with queries q [B, T, H, E] over `pool` should use the attention kernel."""
+    rows = q.shape[0] * q.shape[1] * (q.shape[2] // pool.shape[1])
+    return rows <= MAX_ROWS and q.shape[3] in HEAD_DIMS and _on_cpu(q, pool)
+
+
+def applies_matmul(x: jax.Array, w: jax.Array) -> bool:
+    """Whether x [..., D] times w [N, D] should use the matmul kernel."""
+    rows = math.prod(x.shape[:-1])
+    return 1 <= rows <= MAX_MATMUL_ROWS and x.shape[-1] % 8 == 0 and w.ndim == 2 and _on_cpu(x, w)
+
+
+def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
+                    slot_pos: jax.Array, q_pos: jax.Array, fallback: Callable[..., jax.Array]) -> jax.Array:
+    """Attention of q [B, T, H, E] at positions q_pos [B, T] over layer `layer` of the pools
+    [L, K, P, Z, E], slot s visible iff slot_pos [B, P*Z] <= the query's position: [B, T, H*E].
+
+    `fallback` (same arguments and result, in XLA ops) runs under `jax.vmap` (one pool per
+    mapped element, e.g. batched reply generation for drafter training)."""
+    _require()
+    b, t, h, e = q.shape
+
+    @jax.custom_batching.custom_vmap
+    def call(*args):
+        return jax.ffi.ffi_call("specjax_paged_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(*args)
+
+    @call.def_vmap
+    def _(axis_size, in_batched, *args):
+        args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, batched in zip(args, in_batched)]
+        return jax.vmap(lambda *a: fallback(*a).reshape(*a[0].shape))(*args), True
+
+    out = call(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), slot_pos.astype(jnp.int32), q_pos.astype(jnp.int32))
+    return out.reshape(b, t, h * e)
+
+
+def _require() -> None:
+    if not available():
+        raise RuntimeError(f"the CPU kernels are unavailable: {_state['why']}")
+
+
+@jax.custom_batching.custom_vmap
+def _skinny(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jax.ffi.ffi_call("specjax_skinny_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))(x, w)
+
+
+@_skinny.def_vmap
+def _skinny_vmap(axis_size, in_batched, x, w):
+    """Under vmap the mapped rows are just more rows: the kernel while they fit, else XLA."""
+    x_batched, w_batched = in_batched
+    if w_batched:
+        x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+        return jnp.einsum("bmd,bnd->bmn", x, w), True
+    if not x_batched:
+        return _skinny(x, w), False
+    rows = x.reshape(-1, x.shape[-1])
+    out = _skinny(rows, w) if rows.shape[0] <= MAX_MATMUL_ROWS else rows @ w.T
+    return out.reshape(axis_size, x.shape[1], w.shape[0]), True
+
+
+@jax.custom_vjp
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    return _skinny(x, w)
+
+
+def _matmul_fwd(x, w):
+    return _skinny(x, w), (x, w)
+
+
+def _matmul_bwd(res, g):  # differentiable like the XLA dot it replaces (small-batch tests)
+    x, w = res
+    return g @ w, g.T @ x
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., D] times a weight [N, D] (HF orientation): [..., N], for at most 16 rows."""
+    _require()
+    return _matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])

@@ -1,0 +1,145 @@
+"""The C++ CPU attention kernel against XLA's attention (an independent formulation), on
+random pools with shuffled page tables; its T-invariance; and the fallback."""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from specjax import cpu_kernels, kv as kvlib, qwen3
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler for the CPU kernel")
+
+
+def _case(rng, e: int, kv_heads: int, groups: int, rows: int = 2, pages: int = 6, page: int = 16, layers: int = 2):
+    shape = (layers, kv_heads, rows * pages, page, e)
+    k = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    v = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    table = jnp.asarray(rng.permutation(rows * pages).reshape(rows, pages), jnp.int32)
+    return k, v, table, kvlib.slot_positions(table, rows * pages, page)
+
+
+_xla = qwen3._attend_layer
+
+
+def _kernel(q, k, v, layer, slot_pos, q_pos):
+    return cpu_kernels.paged_attention(q, k, v, layer, slot_pos, q_pos, _xla)
+
+
+@pytest.mark.parametrize("e,kv_heads,groups,t", [(64, 2, 3, 1), (64, 2, 3, 8), (24, 2, 2, 5), (128, 1, 4, 3),
+                                                 (16, 4, 1, 16)])
+def test_matches_xla_attention(rng, e, kv_heads, groups, t):
+    k, v, _, slot_pos = _case(rng, e, kv_heads, groups)
+    q = jnp.asarray(rng.standard_normal((2, t, kv_heads * groups, e)) * 2, jnp.float32)
+    starts = rng.integers(0, 6 * 16 - t, size=2)
+    q_pos = jnp.asarray(starts[:, None] + np.arange(t), jnp.int32)
+    for layer in (0, 1):
+        got = _kernel(q, k, v, jnp.int32(layer), slot_pos, q_pos)
+        want = _xla(q, k, v, layer, slot_pos, q_pos)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)  # f32 composites, as the parity suite
+
+
+def test_a_query_gets_the_same_bits_alone_or_with_others(rng):
+    """What makes a verify step's attention equal the decode step's for the same token."""
+    k, v, _, slot_pos = _case(rng, 64, 2, 3)
+    q = jnp.asarray(rng.standard_normal((2, 8, 6, 64)), jnp.float32)
+    q_pos = jnp.asarray([[40 + i for i in range(8)], [70 + i for i in range(8)]], jnp.int32)
+    together = np.asarray(_kernel(q, k, v, jnp.int32(1), slot_pos, q_pos))
+    for t in range(8):
+        alone = _kernel(q[:1, t:t + 1], k, v, jnp.int32(1), slot_pos[:1], q_pos[:1, t:t + 1])
+        np.testing.assert_array_equal(np.asarray(alone)[0, 0], together[0, t])
+
+
+def test_unseen_slots_do_not_matter(rng):
+    """Keys and values past a query's position, or in pages its row does not own, are never read."""
+    k, v, table, slot_pos = _case(rng, 32, 2, 2)
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 32)), jnp.float32)
+    q_pos = jnp.asarray([[20, 21, 22], [50, 51, 52]], jnp.int32)
+    before = np.asarray(_kernel(q, k, v, jnp.int32(0), slot_pos, q_pos))
+    unseen = np.asarray(slot_pos > q_pos.max(axis=1)[:, None])  # [B, S]
+    hidden = np.zeros(slot_pos.shape[1], bool)
+    hidden[np.all(unseen, axis=0)] = True  # slots no row sees
+    noise = rng.standard_normal(k.shape[:2] + (k.shape[2] * k.shape[3], k.shape[4])) * 100
+    flat = lambda x: x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
+    k2 = jnp.where(hidden[None, None, :, None], flat(k) + noise, flat(k)).reshape(k.shape)
+    v2 = jnp.where(hidden[None, None, :, None], flat(v) - noise, flat(v)).reshape(v.shape)
+    after = np.asarray(_kernel(q, k2, v2, jnp.int32(0), slot_pos, q_pos))
+    assert hidden.sum() > 16
+    np.testing.assert_array_equal(before, after)
+
+
+def test_applies_only_where_it_can(monkeypatch):
+    q = jnp.zeros((1, 1, 6, 64), jnp.float32)
+    pool = jnp.zeros((2, 2, 4, 16, 64), jnp.float32)
+    assert cpu_kernels.applies(q, pool)
+    assert not cpu_kernels.applies(q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16))
+    assert not cpu_kernels.applies(jnp.zeros((1, 1, 6, 40)), jnp.zeros((2, 2, 4, 16, 40)))  # head_dim 40
+    assert not cpu_kernels.applies(jnp.zeros((1, 64, 6, 64)), pool)  # a prefill chunk: XLA's GEMM
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setenv("SPECJAX_CPU_KERNELS", "off")
+    assert not cpu_kernels.available() and not cpu_kernels.applies(q, pool)
+    with pytest.raises(RuntimeError, match="SPECJAX_CPU_KERNELS=off"):
+        _kernel(q, pool, pool, jnp.int32(0), jnp.zeros((1, 64), jnp.int32), jnp.zeros((1, 1), jnp.int32))
+
+
+def test_build_failure_falls_back_with_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(cpu_kernels, "_kernel_dir", lambda: tmp_path / "kernels")
+    with pytest.warns(RuntimeWarning, match="using XLA's ops"):
+        assert not cpu_kernels.available()
+
+
+@pytest.mark.parametrize("m,d,n", [(1, 64, 100), (3, 384, 640), (8, 24, 33), (16, 128, 8192)])
+def test_matmul_matches_numpy(rng, m, d, n):
+    x = rng.standard_normal((m, d)).astype(np.float32)
+    w = rng.standard_normal((n, d)).astype(np.float32)
+    got = np.asarray(jax.jit(cpu_kernels.matmul)(x, w))
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-4, atol=1e-4)
+
+
+def test_matmul_rows_get_the_same_bits_alone_or_together(rng):
+    x = rng.standard_normal((2, 8, 256)).astype(np.float32)  # [..., D]: leading axes flattened
+    w = rng.standard_normal((300, 256)).astype(np.float32)
+    together = np.asarray(cpu_kernels.matmul(x, w))
+    assert together.shape == (2, 8, 300)
+    for i in (0, 1):
+        for t in (0, 5, 7):
+            np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul(x[i, t], w)), together[i, t])
+
+
+def test_matmul_gradient_is_the_dot_gradient(rng):
+    x = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((24, 32)), jnp.float32)
+    loss = lambda f: lambda x, w: jnp.sum(jnp.tanh(f(x, w)))
+    got = jax.grad(loss(cpu_kernels.matmul), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(lambda x, w: x @ w.T), argnums=(0, 1))(x, w)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_matmul_applies_to_few_rows_only():
+    w = jnp.zeros((64, 32), jnp.float32)
+    assert cpu_kernels.applies_matmul(jnp.zeros((1, 16, 32)), w)
+    assert not cpu_kernels.applies_matmul(jnp.zeros((1, 17, 32)), w)  # a prefill chunk
+    assert not cpu_kernels.applies_matmul(jnp.zeros((2, 30)), jnp.zeros((64, 30)))  # D not a multiple of 8
+    assert not cpu_kernels.applies_matmul(jnp.zeros((2, 32), jnp.bfloat16), w.astype(jnp.bfloat16))
+
+
+def test_under_vmap_matmul_and_attention_agree_with_xla(rng):
+    """Mapped rows join the kernel's rows (matmul) or take XLA's path (attention, one pool each)."""
+    x = jnp.asarray(rng.standard_normal((3, 4, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((40, 64)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(jax.vmap(cpu_kernels.matmul, (0, None))(x, w)),
+                               np.asarray(x @ w.T), rtol=1e-4, atol=1e-4)
+    x_many = jnp.asarray(rng.standard_normal((5, 4, 64)), jnp.float32)  # 20 rows: XLA
+    np.testing.assert_allclose(np.asarray(jax.vmap(cpu_kernels.matmul, (0, None))(x_many, w)),
+                               np.asarray(x_many @ w.T), rtol=1e-4, atol=1e-4)
+    cases = [_case(np.random.default_rng(i), 32, 2, 2) for i in range(3)]
+    k, v, slot_pos = (jnp.stack([c[i] for c in cases]) for i in (0, 1, 3))
+    q = jnp.asarray(rng.standard_normal((3, 2, 2, 4, 32)), jnp.float32)
+    q_pos = jnp.asarray(np.tile([[30, 31], [60, 61]], (3, 1, 1)), jnp.int32)
+    got = jax.vmap(_kernel, (0, 0, 0, None, 0, 0))(q, k, v, jnp.int32(1), slot_pos, q_pos)
+    want = jax.vmap(_xla, (0, 0, 0, None, 0, 0))(q, k, v, jnp.int32(1), slot_pos, q_pos)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
