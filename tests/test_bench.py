@@ -32,7 +32,8 @@ def results(tmp_path_factory):
     target = _random_model(root / "t", 32, 2, 1)
     draft = _random_model(root / "t-draft", 16, 1, 2)
     cfg = bench.BenchConfig.quick(model=target, draft=draft, new_tokens=12, prompt_tokens=160,
-                                  workloads=("edit",), profile_ts=(1, 2, 4), out=root / "out")
+                                  workloads=("edit",), profile_ts=(1, 2, 4), s_profile=False,
+                                  out=root / "out")
     return cfg, bench.run(cfg, log=lambda s: None)
 
 

@@ -69,8 +69,9 @@ def test_empirical_frequencies_match_distribution(rng):
     probs = np.exp(np.asarray(logprobs, np.float64))
     support = probs > 0
     assert counts[~support].sum() == 0
-    _, p_value = stats.chisquare(counts[support], n * probs[support] / probs[support].sum())
-    assert p_value > 1e-3
+    if support.sum() > 1:  # top-p may leave one token (then the line above is the whole check)
+        _, p_value = stats.chisquare(counts[support], n * probs[support] / probs[support].sum())
+        assert p_value > 1e-3
 
 
 @pytest.mark.parametrize("ties", [False, True], ids=["k-candidates", "ties-at-k"])
