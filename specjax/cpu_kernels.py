@@ -34,8 +34,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from .runtime import cache_dir
-
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_attention.cc", "skinny_matmul.cc")
 TARGETS = {"specjax_paged_attention": "SpecjaxPagedAttention", "specjax_skinny_matmul": "SpecjaxSkinnyMatmul"}
