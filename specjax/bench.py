@@ -303,12 +303,13 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         f"{results['profile']['decode_over_floor']:.2f}x the floor; ratios "
         + ", ".join(f"T={t}: {r:.2f}" for t, r in results["profile"]["ratio_to_T1"].items()))
     import jax
-    if jax.default_backend() == "cpu" and cfg.s_profile:  # the S config's decode against the floor
+    on_cpu = jax.default_backend() == "cpu"
+    if on_cpu and cfg.s_profile:  # the S config's decode against the floor
         results["s_profile"] = step_profile(random_model(S_SHAPE, "float32"), cfg.profile_ts)
         log(f"S config, f32: decode {results['s_profile']['decode_ms']:.2f} ms = "
             f"{results['s_profile']['decode_over_floor']:.2f}x the floor; ratios "
             + ", ".join(f"T={t}: {r:.2f}" for t, r in results["s_profile"]["ratio_to_T1"].items()))
-    else:  # absolute step times of a real-sized model against the floor
+    if not on_cpu:  # absolute step times of a real-sized model against the floor
         results["gpu_profile"] = step_profile(random_model(QWEN3_4B_SHAPE, "bfloat16"), cfg.profile_ts, context=1024)
         log(f"Qwen3-4B shape, bf16: decode {results['gpu_profile']['decode_ms']:.2f} ms = "
             f"{results['gpu_profile']['decode_over_floor']:.2f}x the floor")

@@ -64,6 +64,7 @@ def test_every_field_present(results):
                 # ours are exact; transformers' greedy is the same model, so the same tokens too
                 assert row["same_tokens_as_plain"], key
         assert set(cell["best_k"]) >= {"ngram", "draft", "adaptive", "hf-plain"}
+    assert "s_profile" not in res and "gpu_profile" not in res  # off here; the 4B shape only off CPU
     p = res["profile"]
     assert set(p["ratio_to_T1"]) == {1, 2, 4} and p["ratio_to_T1"][1] == 1.0
     assert p["floor_ms"] > 0 and p["decode_over_floor"] > 0
