@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+from train.prompts import WORKLOADS, workload
 
 from .adaptive import Adaptive
 from .checkpoint import weight_bytes
@@ -34,7 +35,7 @@ class BenchConfig:
     model: Path
     draft: Path | None = None
     dflash: Path | None = None
-    workloads: tuple[str, ...] = ("edit", "complete", "novel")
+    workloads: tuple[str, ...] = WORKLOADS
     samplings: tuple[str, ...] = ("greedy", "sampled")
     prompts: int = 2
     prompt_tokens: int = 880
@@ -265,8 +266,6 @@ def step_profile(model: Model, ts: tuple[int, ...], context: int = 512, rounds: 
 
 def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the benchmark; returns (and writes) the results."""
-    from train.prompts import workload
-
     target = load(cfg.model)
     methods = _methods(cfg, target)
     hf = _hf_runner(cfg)

@@ -73,6 +73,8 @@ def _add_generate(sub) -> None:
 
 
 def _add_bench(sub) -> None:
+    from train.prompts import WORKLOADS
+
     p = sub.add_parser("bench", help="speedup per proposer and k, side by side with transformers")
     p.add_argument("--model", type=Path, default=None, help="target folder (default: checkpoints/tiny-code)")
     p.add_argument("--draft", type=Path, default=None, help="draft model (default: checkpoints/tiny-code-draft if present)")
@@ -82,7 +84,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--reps", type=_positive, help="timed repetitions per prompt (after one warm-up)")
     p.add_argument("--new-tokens", type=_positive, help="tokens generated per run")
     p.add_argument("--prompt-tokens", type=_positive, help="approximate prompt length")
-    p.add_argument("--workloads", nargs="+", choices=["edit", "complete", "novel"])
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="JSON, markdown and PNG output folder")
 

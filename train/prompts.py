@@ -1,6 +1,6 @@
 """Held-out prompts for evaluation and the benchmark (never trained on).
 
-Two workloads, both cut from held-out stdlib files (train.corpus split rule):
+Three workloads; the first two are cut from held-out stdlib files (train.corpus split rule):
 - edit: a rename instruction (train.edits format) whose reply copies the snippet with one
   identifier changed; preceded by held-out code of the same file and an end-of-text token,
   as documents are packed in training, to reach the requested prompt length;
@@ -88,9 +88,12 @@ def novel_prompts(tokenizer: Any, n: int, prompt_tokens: int, seed: int = 0) -> 
     return [Prompt("novel", [rng.choice(vocab) for _ in range(prompt_tokens)], "random tokens") for _ in range(n)]
 
 
+MAKERS = {"edit": edit_prompts, "complete": completion_prompts, "novel": novel_prompts}
+WORKLOADS = tuple(MAKERS)
+
+
 def workload(tokenizer: Any, kind: str, n: int, prompt_tokens: int, seed: int = 0) -> list[Prompt]:
     """Prompts of one workload by name."""
-    makers = {"edit": edit_prompts, "complete": completion_prompts, "novel": novel_prompts}
-    if kind not in makers:
-        raise ValueError(f"unknown workload {kind!r}; choose from {sorted(makers)}")
-    return makers[kind](tokenizer, n, prompt_tokens, seed)
+    if kind not in MAKERS:
+        raise ValueError(f"unknown workload {kind!r}; choose from {sorted(MAKERS)}")
+    return MAKERS[kind](tokenizer, n, prompt_tokens, seed)
