@@ -3,7 +3,9 @@
 import re
 import zlib
 
-from train import corpus
+import numpy as np
+
+from train import corpus, data
 from train.edits import render_prompt, rename_identifier
 
 INSTRUCTION = re.compile(r"^# Rename `(\w+)` to `(\w+)`\.\n", re.MULTILINE)
@@ -73,3 +75,23 @@ def test_heldout_mixture_cuts_edits_from_heldout_files_only():
     for doc in edits:
         match = INSTRUCTION.search(doc)
         assert _stripped_lines(doc[: match.start()].rstrip("\n")) in heldout_lines
+
+
+def test_copy_drills_repeat_their_span_and_keep_every_document():
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    eos = 0
+    docs = [np.append(rng.integers(1, 500, size=int(rng.integers(5, 300))), eos) for _ in range(60)]
+    tokens = np.concatenate(docs).astype(np.uint16)
+    mixed, drill_tokens = data._with_drills(tokens, eos, 0.3, seed=int(rng.integers(2**31)))
+    pieces = np.split(mixed, np.flatnonzero(mixed == eos)[:-1] + 1)
+    originals = [tuple(d) for d in docs]
+    drills = [p for p in pieces if tuple(p) not in set(originals)]
+    # Every document survives intact, once, and nothing else is added but drills.
+    assert sorted(tuple(p) for p in pieces if tuple(p) in set(originals)) == sorted(originals)
+    assert sum(d.size for d in drills) == drill_tokens == mixed.size - tokens.size
+    assert abs(drill_tokens / mixed.size - 0.3) < 0.05
+    for d in drills:
+        span = d[:-1]
+        half = span.size // 2
+        assert d[-1] == eos and span.size % 2 == 0 and half >= 16
+        assert np.array_equal(span[:half], span[half:]) and eos not in span

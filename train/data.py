@@ -8,6 +8,11 @@ the same share when it is not the default); ``meta.json`` records sizes.
 ``python -m train.data --out runs/data-edits --seed 1 --edit-share 0.5`` tokenizes another
 epoch with an existing tokenizer (a new file order and new edits, or another mixture);
 ``python -m train.tokenizer --shards`` builds the default shards with a new tokenizer.
+
+``--repeat-share`` adds copy drills to the training shard only: a span of tokens followed
+by the same span again. Half the spans are windows of the corpus, half are corpus tokens
+drawn independently (no structure to predict but the repeat). They are the plainest
+signal for induction-style copying, which rename edits alone had not taught the target.
 """
 
 from __future__ import annotations
@@ -40,25 +45,64 @@ def encode_documents(tokenizer: Tokenizer, docs: Iterable[str], desc: str, chunk
     return tokens, {"documents": len(docs), "chars": chars, "bytes": nbytes, "tokens": int(tokens.size)}
 
 
-def build_shards(tokenizer_dir: Path, out_dir: Path, seed: int = 0, edit_share: float = corpus.EDIT_SHARE) -> dict:
+def repeat_drills(tokens: np.ndarray, eos: int, n_tokens: int, rng: np.random.Generator,
+                  min_len: int = 16, max_len: int = 256) -> list[np.ndarray]:
+    """Copy drills of about ``n_tokens`` in all, each ``span + span + [eos]`` with a span of
+    ``min_len..max_len`` tokens taken from ``tokens``: alternately a contiguous window and
+    independently drawn positions. Spans never contain ``eos``."""
+    drills, total = [], 0
+    while total < n_tokens:
+        n = int(rng.integers(min_len, max_len + 1))
+        if len(drills) % 2 == 0:
+            start = int(rng.integers(0, tokens.size - n))
+            span = np.asarray(tokens[start : start + n])
+        else:
+            span = np.asarray(tokens[rng.integers(0, tokens.size, size=n)])
+        span = span[span != eos]
+        if span.size < min_len:
+            continue
+        drills.append(np.concatenate([span, span, [eos]]).astype(tokens.dtype))
+        total += drills[-1].size
+    return drills
+
+
+def _with_drills(tokens: np.ndarray, eos: int, share: float, seed: int) -> tuple[np.ndarray, int]:
+    """``tokens`` (eos-terminated documents) with copy drills making up ``share`` of the
+    result, placed between documents in a seeded order; returns (tokens, drill tokens)."""
+    rng = np.random.default_rng(seed)
+    docs = np.split(tokens, np.flatnonzero(tokens == eos)[:-1] + 1)
+    drills = repeat_drills(tokens, eos, int(tokens.size * share / (1.0 - share)), rng)
+    order = rng.permutation(len(docs) + len(drills))
+    pieces = [docs[i] if i < len(docs) else drills[i - len(docs)] for i in order]
+    return np.concatenate(pieces), sum(d.size for d in drills)
+
+
+def build_shards(tokenizer_dir: Path, out_dir: Path, seed: int = 0, edit_share: float = corpus.EDIT_SHARE,
+                 repeat_share: float = 0.0) -> dict:
     """Write ``train.npy``, ``heldout.npy`` and ``meta.json`` to ``out_dir``; returns the meta.
 
     With the default edit share the held-out shard is the held-out files alone (the
     language-model loss reported so far); with another share it is their mixture at that
-    share, so held-out loss measures what the run trains on."""
+    share, so held-out loss measures what the run trains on. ``repeat_share`` of the
+    training tokens are copy drills (:func:`repeat_drills`); the held-out shard has none."""
     tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
     if tokenizer.get_vocab_size() > np.iinfo(np.uint16).max + 1:
         raise ValueError(f"vocab of {tokenizer_dir} does not fit uint16 shards")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if not 0.0 <= edit_share < 1.0:
-        raise ValueError(f"edit_share must be in [0, 1), got {edit_share}")
+    for name, share in (("edit_share", edit_share), ("repeat_share", repeat_share)):
+        if not 0.0 <= share < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {share}")
+    eos = tokenizer.token_to_id(EOS)
     meta = {"tokenizer": str(tokenizer_dir), "seed": seed, "edit_share": edit_share,
-            "eos_id": tokenizer.token_to_id(EOS)}
+            "repeat_share": repeat_share, "eos_id": eos}
     heldout_share = 0.0 if edit_share == corpus.EDIT_SHARE else edit_share
     for name, docs in (("train", corpus.training_documents(seed, edit_share)),
                        ("heldout", corpus.heldout_documents(seed, heldout_share))):
         tokens, meta[name] = encode_documents(tokenizer, docs, desc=f"tokenizing {name}")
+        if name == "train" and repeat_share > 0:
+            tokens, meta[name]["drill_tokens"] = _with_drills(tokens, eos, repeat_share, seed)
+            meta[name]["tokens"] = int(tokens.size)
         np.save(out_dir / f"{name}.npy", tokens)
         print(f"{name}: {meta[name]}")
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -83,10 +127,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--out", type=Path, required=True, help="shard directory to write")
     p.add_argument("--seed", type=int, default=0, help="file order and edit examples")
     p.add_argument("--edit-share", type=float, default=corpus.EDIT_SHARE, help="share of characters that are rename edits")
+    p.add_argument("--repeat-share", type=float, default=0.0, help="share of training tokens that are copy drills")
     args = p.parse_args(argv)
     if not (args.tokenizer / "tokenizer.json").is_file():
         p.error(f"{args.tokenizer}/tokenizer.json not found")
-    build_shards(args.tokenizer, args.out, args.seed, args.edit_share)
+    build_shards(args.tokenizer, args.out, args.seed, args.edit_share, args.repeat_share)
 
 
 if __name__ == "__main__":
