@@ -10,13 +10,22 @@ counts of accepts over judgements (a window of ~20 steps) shrunk towards the est
 position j - 1 (position 1: a prior) by a couple of pseudo-observations, so a position not
 judged yet inherits its predecessor's rate and longer drafts get tried as soon as short
 ones are accepted; the costs are moving averages of the
-step times measured in this run (seeded from CPU ratios in reference/cpu-facts.md). k is
-drawn from the compiled verify buckets, so nothing compiles mid-run; k = 0 is a plain step.
+steps' whole wall times in this run (lookups and this decision included; seeded from CPU
+ratios in reference/cpu-facts.md). k is drawn from the compiled verify buckets, so nothing
+compiles mid-run; k = 0 means plain steps.
 A model proposer's cost starts from its own estimate (weight bytes against the target's)
 and is then timed; its cost at an untimed k is scaled from the timed ones (a chain of
 drafts costs per draft, a one-pass drafter the same at any k). A model proposer that is
 not chosen is retried after 16 idle steps, then 32, 64, ... (probes back off, so one that
 never pays costs O(log n) steps of n).
+
+Plain steps run fused (`steps.decode`: no host round trip, no lookup, no decision between
+tokens), in runs that double while plain keeps winning (1, 2, 4, .., 16 tokens) and start
+again at 1 after a drafted step. Plain is priced at its cheapest measured cost per token
+(a long run), not at what a single step costs: priced per step, a weak draft beats one
+plain step and resets the run, and the loop never reaches the cheap long runs. So when
+drafts do not pay, the loop's per-token cost approaches plain decoding's, and the lookups
+it skips are at most 15 tokens of a stretch where none had paid.
 
 Free proposers (prompt lookup: deterministic, costless) are not calibrated or probed:
 they are asked every step and their drafts are scored against the tokens committed
@@ -85,11 +94,14 @@ class KChooser:
     accepts: np.ndarray = dataclasses.field(init=False)   # [arms, positions] decayed counts
     judged: np.ndarray = dataclasses.field(init=False)    # [arms, positions] decayed counts
     verify_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    run_s: dict[int, float] = dataclasses.field(default_factory=dict)  # plain run length -> s per token
     propose_s: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
     steps_run: int = 0
     model_step: int = 0                # the last step a non-free arm drafted
     probe_gap: int = 0                 # idle steps before the next probe (starts at probe_every)
-    warm: set = dataclasses.field(default_factory=set)  # ("verify" | "propose", key) seen once already
+    warm: set = dataclasses.field(default_factory=set)  # ("verify" | "propose" | "run", key) seen once
+    _accept_cache: dict = dataclasses.field(default_factory=dict, repr=False)  # arm -> acceptance()
+    _rise_cache: tuple = dataclasses.field(default=(None, None), repr=False)  # (verify_s items, _rise())
 
     def __post_init__(self) -> None:
         self.accepts = np.zeros((len(self.max_ks), steps.BUCKETS[-1] - 1))
@@ -122,9 +134,22 @@ class KChooser:
         w = steps.bucket(k + 1)
         if w in self.verify_s:
             return self.verify_s[w]
-        unit = self._unit()
-        rise = [(s / unit - 1) / (self.prior_verify[v] - 1) for v, s in self.verify_s.items() if v > 1]
-        return unit * (1 + (float(np.median(rise)) if rise else 1.0) * (self.prior_verify[w] - 1))
+        unit, rise = self._rise()
+        return unit * (1 + rise * (self.prior_verify[w] - 1))
+
+    def _rise(self) -> tuple[float, float]:
+        """(t(1), median rise of the timed widths over the prior's), cached per verify_s."""
+        key = tuple(self.verify_s.items())
+        if self._rise_cache[0] != key:
+            unit = self._unit()
+            rise = [(s / unit - 1) / (self.prior_verify[v] - 1) for v, s in self.verify_s.items() if v > 1]
+            self._rise_cache = (key, (unit, float(np.median(rise)) if rise else 1.0))
+        return self._rise_cache[1]
+
+    def plain_cost(self) -> float:
+        """Seconds per token of plain decoding: the cheapest plain run measured (runs grow
+        while plain keeps winning, so that is what choosing plain leads to), else t(1)."""
+        return min(self.run_s.values(), default=self.verify_cost(0))
 
     def propose_cost(self, a: int, k: int) -> float:
         if self.free[a]:
@@ -140,11 +165,13 @@ class KChooser:
 
     def acceptance(self, a: int) -> np.ndarray:
         """Estimated P(draft j accepted | judged), j = 1 .. 15."""
-        out = np.empty(self.accepts.shape[1])
-        prior = self.prior_accept
-        for j in range(len(out)):
-            prior = out[j] = (self.accepts[a, j] + self.pseudo * prior) / (self.judged[a, j] + self.pseudo)
-        return out
+        if a not in self._accept_cache:  # dropped by judge()
+            out, prior = [], self.prior_accept
+            for acc, jud in zip(self.accepts[a].tolist(), self.judged[a].tolist()):
+                prior = (acc + self.pseudo * prior) / (jud + self.pseudo)
+                out.append(prior)
+            self._accept_cache[a] = np.array(out)
+        return self._accept_cache[a]
 
     def rates(self, a: int, drafts: int | None = None) -> list[tuple[float, int]]:
         """(expected tokens per second, k) of arm a for each candidate k, when it has
@@ -155,7 +182,7 @@ class KChooser:
 
     def choose(self, available: dict[int, int | None] | None = None) -> tuple[int, int]:
         """(arm, k) with the best expected rate among `available` arms (arm -> drafts it
-        has, None: any number; default every arm); k = 0 means a plain step.
+        has, None: any number; default every arm); k = 0 means plain steps.
 
         The first step is plain (it times t(1)). A model arm's option whose verify width is
         untimed is taken when its estimate is within `explore` of the best (each width is
@@ -167,7 +194,7 @@ class KChooser:
         if 1 not in self.verify_s:
             return 0, 0
         options = [(r, -k, a, k) for a, n in available.items() for r, k in self.rates(a, n)]
-        plain = 1.0 / self.verify_cost(0)
+        plain = 1.0 / self.plain_cost()
         best = max(options, default=(plain, 0, 0, 0))
         top = max(plain, best[0])
         untimed = [o for o in options if not self.free[o[2]] and steps.bucket(o[3] + 1) not in self.verify_s
@@ -183,13 +210,17 @@ class KChooser:
             return max(probes)[2:]
         return (0, 0) if plain >= best[0] else (best[2], best[3])
 
-    def update(self, a: int, k: int, n_drafts: int, accepted: int, propose_s: float, verify_s: float) -> None:
-        """Fold in one step: n_drafts judged (of k asked), `accepted` of them kept, its times."""
-        width = steps.bucket(n_drafts + 1)
-        self._time("verify", width, verify_s)
+    def update(self, a: int, k: int, n_drafts: int, accepted: int, propose_s: float, verify_s: float,
+               run: int = 1) -> None:
+        """Fold in one decision: n_drafts judged (of k asked), `accepted` of them kept, its
+        times (a plain run of `run` steps when nothing was drafted)."""
+        if n_drafts == 0:
+            self._time("run", run, verify_s / run)
+        if n_drafts or run == 1:
+            self._time("verify", steps.bucket(n_drafts + 1), verify_s)
         if k and not self.free[a]:
             self._time("propose", (a, k), propose_s)
-        self.steps_run += 1
+        self.steps_run += run if n_drafts == 0 else 1  # target steps (a plain run is `run` of them)
         if n_drafts and not self.free[a]:  # free arms are judged by their shadow drafts
             self.model_step = self.steps_run
             self.judge(a, min(accepted + 1, n_drafts), accepted)
@@ -197,6 +228,7 @@ class KChooser:
     def judge(self, a: int, judged: int, accepted: int) -> None:
         """Fold in one judgement of arm a: drafts 1..judged looked at, the first `accepted` kept."""
         d = self.accept_decay
+        self._accept_cache.pop(a, None)
         self.accepts[a] *= d
         self.judged[a] *= d
         self.accepts[a, :accepted] += 1.0
@@ -209,7 +241,7 @@ class KChooser:
         if (kind, key) not in self.warm:
             self.warm.add((kind, key))
             return
-        table, d = (self.verify_s if kind == "verify" else self.propose_s), self.cost_decay
+        table, d = {"verify": self.verify_s, "propose": self.propose_s, "run": self.run_s}[kind], self.cost_decay
         table[key] = value if key not in table else d * table[key] + (1 - d) * value
 
 
@@ -261,8 +293,10 @@ class _AdaptiveSession:
         self.choices: list[tuple[int, int]] = []  # (proposer, k) per step
         self.shadows: list[tuple[int, int, np.ndarray]] = []  # (arm, first position, drafts)
         self._pending: tuple | None = None
+        self.run = 1  # plain steps the next plain choice fuses: doubles while plain keeps winning
 
     def propose(self, history: np.ndarray, limit: int) -> Proposal:
+        entered = time.perf_counter()
         free: dict[int, Proposal] = {}
         available: dict[int, int | None] = {}
         for a, (i, m) in enumerate(self.arms):
@@ -277,20 +311,25 @@ class _AdaptiveSession:
                     self.shadows.append((arm, len(history), np.asarray(prop.drafts[:prop.n])))
             if free[i].n and free[i].match == m:
                 available[a] = free[i].n
-        a, k = self.chooser.choose(available)  # history only: decided before any sampled draft exists
+        timed = 1 in self.chooser.verify_s
+        # history only: decided before any sampled draft exists
+        a, k = self.chooser.choose(available)
         i, m = self.arms[a]
         self.choices.append((i, k))
         t0 = time.perf_counter()
         if k == 0:
-            self._pending = (a, 0, 0, t0, t0)
-            return Proposal(np.zeros(0, np.int32), 0)
+            run = min(self.run if timed else 1, limit + 1)
+            self.run = min(2 * self.run, steps.BUCKETS[-1]) if timed else 1
+            self._pending = (a, 0, 0, entered, t0, t0, steps.bucket_below(run))
+            return Proposal(np.zeros(0, np.int32), 0, plain=run)
+        self.run = 1
         if m is not None:  # already looked up
             n = min(k, limit, free[i].n)
-            self._pending = (a, k, n, t0, t0)
+            self._pending = (a, k, n, entered, t0, t0, 1)
             return Proposal(free[i].drafts[:n], n, match=m)
         prop = self.sessions[i].propose(history, min(k, limit))
         jax.block_until_ready(prop.drafts)
-        self._pending = (a, k, prop.n, t0, time.perf_counter())
+        self._pending = (a, k, prop.n, entered, t0, time.perf_counter(), 1)
         return prop
 
     def extend(self, features: Any, count: int) -> None:
@@ -299,8 +338,7 @@ class _AdaptiveSession:
                 s.extend(features, count)
 
     def observe(self, accepted: int, history: np.ndarray) -> None:
-        a, k, n, t0, t1 = self._pending
-        self.chooser.update(a, k, n, accepted, t1 - t0, time.perf_counter() - t1)
+        a, k, n, entered, t0, t1, run = self._pending
         if k:
             self.sessions[self.arms[a][0]].observe(accepted, history)
         pending = []
@@ -313,3 +351,6 @@ class _AdaptiveSession:
             else:
                 pending.append((arm, first, drafts))
         self.shadows = pending
+        # A step is priced by its whole wall time (lookups, this decision, the verify or
+        # plain run, bookkeeping) less the model proposer's own time, priced separately.
+        self.chooser.update(a, k, n, accepted, t1 - t0, time.perf_counter() - entered - (t1 - t0), run)

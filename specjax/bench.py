@@ -93,9 +93,9 @@ def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
 
 
 def warm_verify(target: Model, proposers: list[Any], capacities: set[int], sampling: Sampling) -> None:
-    """Compile every verify width for each tap set the proposers need, before timing:
-    Adaptive reaches widths by what it learns, so a width first used inside a timed run
-    would add its compilation (~0.5 s on CPU) to that run."""
+    """Compile every verify width and plain-run length for each tap set the proposers
+    need, before timing: Adaptive reaches them by what it learns, so one first used inside
+    a timed run would add its compilation (~0.5 s on CPU) to that run."""
     import jax
     import jax.numpy as jnp
     from . import kv as kvlib
@@ -108,6 +108,10 @@ def warm_verify(target: Model, proposers: list[Any], capacities: set[int], sampl
                 kv = kvlib.init(target.config, 1, capacity, target.dtype)
                 out = steps.verify(target.params, target.config, kv, np.int32(0), np.zeros(width - 1, np.int32),
                                    np.int32(0), jnp.uint32(0), sampling=sampling, width=width, logq=None, taps=taps)
+                jax.block_until_ready(out[0])
+                kv = kvlib.init(target.config, 1, capacity, target.dtype)
+                out = steps.decode(target.params, target.config, kv, np.int32(0), jnp.uint32(0),
+                                   sampling=sampling, n=width, taps=taps)
                 jax.block_until_ready(out[0])
 
 

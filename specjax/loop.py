@@ -16,6 +16,7 @@ from .model import Model
 from .sampling import Sampling
 
 PREFILL_CHUNK = 128
+PLAIN_RUN = steps.BUCKETS[-1]  # plain decode steps fused into one call when nothing is drafted
 MIN_CAPACITY = 256
 CAPACITY_STEP = 256
 
@@ -198,28 +199,37 @@ def generate(model: Model, ids: Sequence[int], *, max_new_tokens: int, sampling:
 
     done = emit([int(token)])
     stats.prefill_s = time.perf_counter() - t0
-    no_drafts = np.zeros(0, np.int32)
     while not done:
         t1 = time.perf_counter()
         remaining = max_new_tokens - len(out)
         prop = session.propose(history[:size], remaining - 1) if session and remaining > 1 else None
         n = prop.n if prop is not None else 0
-        width = steps.bucket(n + 1)
-        drafts = prop.drafts if n else no_drafts
-        if isinstance(drafts, np.ndarray):  # host drafts: pad to the verify width, one compile per width
-            drafts = np.pad(drafts[:width - 1], (0, width - 1 - min(len(drafts), width - 1)))
+        if n == 0:  # plain steps, fused into one call
+            run = steps.bucket_below(min(prop.plain if prop is not None else PLAIN_RUN, remaining))
+            t2 = time.perf_counter()
+            res, bad, kv, features = steps.decode(model.params, model.config, kv, np.int32(history[size - 1]),
+                                                  seed_arr, sampling=sampling, n=run, taps=taps)
+            res, bad = jax.device_get((res, bad))
+            count, accepted = run, 0
+            for _ in range(run):
+                stats.record(0, 0)
         else:
-            jax.block_until_ready(drafts)
-        t2 = time.perf_counter()
-        res, count, bad, kv, features = steps.verify(
-            model.params, model.config, kv, np.int32(history[size - 1]), drafts,
-            np.int32(n), seed_arr, sampling=sampling, width=width, logq=prop.logq if n else None, taps=taps)
-        res, count, bad = jax.device_get((res, count, bad))
+            width = steps.bucket(n + 1)
+            drafts = prop.drafts
+            if isinstance(drafts, np.ndarray):  # host drafts: pad to the verify width, one compile per width
+                drafts = np.pad(drafts[:width - 1], (0, width - 1 - min(len(drafts), width - 1)))
+            else:
+                jax.block_until_ready(drafts)
+            t2 = time.perf_counter()
+            res, count, bad, kv, features = steps.verify(
+                model.params, model.config, kv, np.int32(history[size - 1]), drafts,
+                np.int32(n), seed_arr, sampling=sampling, width=width, logq=prop.logq, taps=taps)
+            res, count, bad = jax.device_get((res, count, bad))
+            accepted = int(count) - 1
+            stats.record(n, accepted)
         t3 = time.perf_counter()
         if bad:
             raise FloatingPointError(f"target logits contain NaN at position {size - 1}; check the weights")
-        accepted = int(count) - 1
-        stats.record(n, accepted)
         done = emit([int(x) for x in res[:count]])
         if session is not None and not done:
             if taps:

@@ -48,6 +48,7 @@ class Proposal:
     n: int                     # real drafts (0 means: plain decode step)
     logq: Any = None           # [k, V] draft log-probs when drafts were sampled
     match: int = 0             # how strong the evidence is (prompt lookup: n-gram length matched)
+    plain: int = 1             # when n == 0: plain steps to take before asking again
 
 
 class Session(Protocol):

@@ -1,4 +1,5 @@
-"""The jitted fixed-shape steps: prefill chunk, verify (T = 1 is plain decode) and draft.
+"""The jitted fixed-shape steps: prefill chunk, verify (T = 1 is plain decode), a run of
+plain decode steps, and draft.
 
 Static (recompile keys): config, sampling, taps, chunk / bucket sizes, k. Traced: lengths,
 token values, counts, seed. The KV cache is donated, so steps update it in place.
@@ -29,6 +30,11 @@ def bucket(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
         if n <= b:
             return b
     raise ValueError(f"{n} tokens exceed the largest compiled bucket {buckets[-1]}")
+
+
+def bucket_below(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
+    """Largest compiled size that is at most n (n >= 1)."""
+    return max(b for b in buckets if b <= n)
 
 
 def draft_length(limit: int, k: int) -> int:
@@ -93,6 +99,28 @@ def verify(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, draft
     count = accepted + 1
     kv = kv.replace(lengths=kv.lengths + count)
     return out, count, _has_nan(logits), kv, (None if tapped is None else tapped[:, 0])
+
+
+@partial(jax.jit, static_argnames=("cfg", "sampling", "n", "taps"), donate_argnames=("kv",))
+def decode(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, seed: jax.Array,
+           sampling: Sampling, n: int, taps: tuple[int, ...] = ()):
+    """n plain decode steps in one call, with no host round trip between tokens.
+
+    Each step is a T = 1 verify step without drafts (same position keys), so the tokens are
+    those n verify steps would commit. Returns (tokens [n], nan flag, cache with length
+    + n, taps [n_taps, n, D] or None: the features of `last` and the first n - 1 tokens).
+    """
+    def body(carry, _):
+        kv, token = carry
+        position = kv.lengths[:1]
+        h, kv, tapped = hidden_states(params, cfg, token[None, None], position[None], kv, taps)
+        logits = unembed(params, cfg, h[0])  # [1, V]
+        token = smp.target_tokens(logits, position + 1, seed, sampling)[0]
+        feats = None if tapped is None else tapped[:, 0, 0]
+        return (kv.replace(lengths=kv.lengths + 1), token), (token, _has_nan(logits), feats)
+
+    (kv, _), (tokens, bad, feats) = jax.lax.scan(body, (kv, jnp.asarray(last, jnp.int32)), None, length=n)
+    return tokens, jnp.any(bad), kv, (None if feats is None else jnp.swapaxes(feats, 0, 1))
 
 
 @partial(jax.jit, static_argnames=("cfg", "k", "sampling", "sample"), donate_argnames=("kv",))

@@ -179,3 +179,26 @@ def test_propose_cost_scales_from_the_timed_k():
         chooser.update(0, 7, 7, 0, 0.014, 0.02)
         chooser.update(1, 7, 7, 0, 0.009, 0.02)
     assert chooser.propose_cost(0, 1) == pytest.approx(0.002) and chooser.propose_cost(1, 1) == pytest.approx(0.009)
+
+
+def test_plain_runs_double_while_plain_wins_and_restart_after_a_draft():
+    session = Adaptive(NgramProposer(7, max_ngram=3)).start(None, None, 0, 0, Sampling())
+    session.chooser.verify_s = {1: 1.0, 2: 1.6, 4: 1.8, 8: 2.4, 16: 2.9}  # fixed costs: no timing noise
+    session.chooser._time = lambda *args: None
+    history = np.arange(40, dtype=np.int32)  # all distinct: the lookup never matches
+
+    def step(limit=1000, drafted=False):
+        nonlocal history
+        prop = session.propose(history, limit)
+        assert (prop.n > 0) == drafted
+        fresh = np.arange(1000 + len(history), 1000 + len(history) + (1 if drafted else prop.plain))
+        # all drafts accepted, then a token never seen before (so the next lookup finds nothing)
+        history = np.concatenate([history, prop.drafts[:prop.n], fresh]).astype(np.int32)
+        session.observe(prop.n, history)
+        return prop.plain
+
+    assert [step() for _ in range(6)] == [1, 2, 4, 8, 16, 16]
+    assert step(limit=4) == 5  # never past the tokens still wanted (limit + 1)
+    history = np.concatenate([history, history[10:14], history[10:13]])  # ends in a repeated 3-gram
+    step(drafted=True)
+    assert [step() for _ in range(3)] == [1, 2, 4]
