@@ -67,7 +67,7 @@ def test_every_field_present(results):
     assert "s_profile" not in res and "gpu_profile" not in res  # off here; the 4B shape only off CPU
     p = res["profile"]
     assert set(p["ratio_to_T1"]) == {1, 2, 4} and p["ratio_to_T1"][1] == 1.0
-    assert p["floor_ms"] > 0 and p["decode_over_floor"] > 0
+    assert p["floor_ms"] > 0 and p["decode_over_floor"] > 0 and p["run_over_floor"] > 0
 
 
 def test_stats_agree_with_generate(results):
