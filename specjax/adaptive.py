@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from typing import Any, Sequence
 
 import jax
@@ -65,12 +66,18 @@ from .sampling import Sampling
 CPU_KERNELS_VERIFY_RATIO = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.75, 16: 2.8}
 CPU_VERIFY_RATIO = {1: 1.0, 2: 1.6, 4: 1.8, 8: 2.4, 16: 2.9}
 ACCELERATOR_VERIFY_RATIO = {1: 1.0, 2: 1.02, 4: 1.04, 8: 1.08, 16: 1.15}
+# A token of a fused 16-step plain run against a T = 1 step called alone (tiny-code, context
+# 512, 2026-11-29: 0.75 greedy, 0.81 sampled); the prior until this process has timed one.
+RUN_RATIO = 0.8
 
 
 def prior_verify_ratio() -> dict[int, float]:
     if jax.default_backend() != "cpu":
         return ACCELERATOR_VERIFY_RATIO
     return CPU_KERNELS_VERIFY_RATIO if cpu_kernels.available() else CPU_VERIFY_RATIO
+
+
+TIME_TABLES = ("verify_s", "run_s", "propose_s", "warm")  # KChooser fields that Adaptive shares
 
 
 @dataclasses.dataclass
@@ -91,6 +98,7 @@ class KChooser:
     free: Sequence[bool] = ()          # per arm: judged by shadow drafts (see the module docstring)
     per_draft: Sequence[bool] = ()     # per arm: propose cost grows with k (else one pass, any k)
     prior_verify: dict[int, float] = dataclasses.field(default_factory=prior_verify_ratio)
+    max_run: int = 1                   # the longest fused plain run a plain choice grows to
     accepts: np.ndarray = dataclasses.field(init=False)   # [arms, positions] decayed counts
     judged: np.ndarray = dataclasses.field(init=False)    # [arms, positions] decayed counts
     verify_s: dict[int, float] = dataclasses.field(default_factory=dict)
@@ -147,9 +155,14 @@ class KChooser:
         return self._rise_cache[1]
 
     def plain_cost(self) -> float:
-        """Seconds per token of plain decoding: the cheapest plain run measured (runs grow
-        while plain keeps winning, so that is what choosing plain leads to), else t(1)."""
-        return min(self.run_s.values(), default=self.verify_cost(0))
+        """Seconds per token of plain decoding at its best, a fused run of `max_run` (runs
+        grow while plain keeps winning, so that is what choosing plain leads to): measured,
+        else the cheapest of the shorter runs timed and the prior ratio to t(1)."""
+        if self.max_run == 1:
+            return self.verify_cost(0)
+        if self.max_run in self.run_s:
+            return self.run_s[self.max_run]
+        return min([*self.run_s.values(), RUN_RATIO * self.verify_cost(0)])
 
     def propose_cost(self, a: int, k: int) -> float:
         if self.free[a]:
@@ -249,7 +262,9 @@ class KChooser:
 class Adaptive:
     """Wraps one or more proposers; each step uses the (proposer, k) the chooser picks.
 
-    Each proposer's own k is the largest it will be asked for.
+    Each proposer's own k is the largest it will be asked for. Step times are properties
+    of the machine and the target, not of a prompt: those measured in one generation seed
+    the next with the same target, cache size and sampling (acceptance is learnt anew).
     """
 
     proposers: tuple
@@ -262,11 +277,19 @@ class Adaptive:
         object.__setattr__(self, "proposers", tuple(proposers))
         object.__setattr__(self, "prior_accept", prior_accept)
         object.__setattr__(self, "accept_decay", accept_decay)
+        # target -> (capacity, sampling) -> the chooser's time tables
+        object.__setattr__(self, "_timings", weakref.WeakKeyDictionary())
 
     def start(self, target: Any, prompt: np.ndarray, capacity: int, seed: int, sampling: Sampling):
         costs = [p.cost_prior(target) if hasattr(p, "cost_prior") else (0.3, True) for p in self.proposers]
-        return _AdaptiveSession(self, [p.start(target, prompt, capacity, seed, sampling) for p in self.proposers],
-                                costs)
+        session = _AdaptiveSession(self, [p.start(target, prompt, capacity, seed, sampling) for p in self.proposers],
+                                   costs)
+        if target is not None:
+            shared = self._timings.setdefault(target, {}).setdefault(
+                (capacity, sampling), {f: getattr(session.chooser, f) for f in TIME_TABLES})
+            for field, table in shared.items():  # the same objects: this session's timings feed the next
+                setattr(session.chooser, field, table)
+        return session
 
 
 class _AdaptiveSession:
@@ -284,7 +307,7 @@ class _AdaptiveSession:
         self.chooser = KChooser([spec.proposers[i].k for i, _ in self.arms], spec.prior_accept,
                                 [costs[i][0] for i, _ in self.arms], spec.accept_decay,
                                 free=[m is not None for _, m in self.arms],
-                                per_draft=[costs[i][1] for i, _ in self.arms])
+                                per_draft=[costs[i][1] for i, _ in self.arms], max_run=steps.BUCKETS[-1])
         self.max_k = [p.k for p in spec.proposers]
         taps = {tuple(getattr(s, "taps", ())) for s in sessions} - {()}
         if len(taps) > 1:

@@ -112,22 +112,30 @@ def target_tokens(logits: jax.Array, positions: jax.Array, seed: jax.Array, s: S
     """The target's token [T] after each of T logit rows; row i decides position positions[i]."""
     if s.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logprobs = transform(logits, s)
     keys = jax.vmap(lambda p: position_key(seed, TARGET, p))(positions)
-    if not 0 < s.top_k < logprobs.shape[-1]:
-        return jax.vmap(sample)(logprobs, keys)
-    # With top-k the support is at most k tokens unless ties at the k-th logit kept more
-    # (then the (k+1)-th largest log-prob is finite): Gumbel-max over the k candidates
-    # draws from the same distribution with k noise values instead of V (barrier: see transform).
-    vals, idx = jax.lax.optimization_barrier(jax.lax.top_k(logprobs, s.top_k + 1))
-
-    def candidates(_):
-        return jax.vmap(lambda lp, i, key: i[sample(lp, key)])(vals[..., :-1], idx[..., :-1], keys)
 
     def vocabulary(_):
-        return jax.vmap(sample)(logprobs, keys)
+        return jax.vmap(sample)(transform(logits, s), keys)
 
-    return jax.lax.cond(jnp.all(jnp.isinf(vals[..., -1])), candidates, vocabulary, None).astype(jnp.int32)
+    x = logits.astype(jnp.float32) / s.temperature
+    if not 0 < s.top_k < x.shape[-1]:
+        return vocabulary(None)
+    # With top-k a row's support is its k candidates unless it ties at the k-th logit
+    # (transformers then keeps every tie). Gumbel-max over the k candidates draws from the
+    # same distribution with k noise values instead of V. The choice is made per row, so
+    # a row's token does not depend on the other rows of a verify step (exactness: a
+    # decode step sees that row alone). Barrier: see transform.
+    vals, idx = jax.lax.optimization_barrier(jax.lax.top_k(x, s.top_k))
+    ties = jnp.sum(x >= vals[..., -1:], axis=-1) > s.top_k  # [T]
+
+    def candidates(_):
+        kept = jax.nn.log_softmax(_top_p_min_p(vals, s), axis=-1)
+        return jax.vmap(lambda lp, i, key: i[sample(lp, key)])(kept, idx, keys)
+
+    def per_row(_):
+        return jnp.where(ties, vocabulary(None), candidates(None))
+
+    return jax.lax.cond(jnp.any(ties), per_row, candidates, None).astype(jnp.int32)
 
 
 def accept_probability(logp: jax.Array, logq: jax.Array, d: jax.Array) -> jax.Array:

@@ -184,6 +184,7 @@ def test_propose_cost_scales_from_the_timed_k():
 def test_plain_runs_double_while_plain_wins_and_restart_after_a_draft():
     session = Adaptive(NgramProposer(7, max_ngram=3)).start(None, None, 0, 0, Sampling())
     session.chooser.verify_s = {1: 1.0, 2: 1.6, 4: 1.8, 8: 2.4, 16: 2.9}  # fixed costs: no timing noise
+    session.chooser.run_s = {16: 0.9}
     session.chooser._time = lambda *args: None
     history = np.arange(40, dtype=np.int32)  # all distinct: the lookup never matches
 
@@ -202,3 +203,18 @@ def test_plain_runs_double_while_plain_wins_and_restart_after_a_draft():
     history = np.concatenate([history, history[10:14], history[10:13]])  # ends in a repeated 3-gram
     step(drafted=True)
     assert [step() for _ in range(3)] == [1, 2, 4]
+
+
+def test_step_times_carry_over_to_the_next_generation_with_the_same_target(tiny, rng):
+    model = tiny[2]
+    prop = Adaptive(NgramProposer(4))
+    ids = rng.integers(0, model.config.vocab_size, 30)
+    first = prop.start(model, ids, 256, 0, Sampling())
+    first.chooser.update(0, 0, 0, 0, 0.0, 0.004)  # the first time of a width is dropped (compilation)
+    first.chooser.update(0, 0, 0, 0, 0.0, 0.004)
+    assert first.chooser.verify_s == {1: 0.004}
+    again = prop.start(model, ids, 256, 1, Sampling())
+    assert again.chooser.verify_s == {1: 0.004}
+    assert not again.chooser.judged.any()  # acceptance is learnt anew
+    assert prop.start(model, ids, 512, 0, Sampling()).chooser.verify_s == {}  # another cache size
+    assert Adaptive(NgramProposer(4)).start(model, ids, 256, 0, Sampling()).chooser.verify_s == {}

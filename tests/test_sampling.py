@@ -102,3 +102,19 @@ def test_invalid_parameters_raise(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(SamplingError, match=name):
         Sampling(**kwargs)
+
+
+def test_target_tokens_of_a_row_do_not_depend_on_the_other_rows(rng):
+    """A verify step samples T rows at once; each row's token must be the one a decode
+    step computing that row alone draws, also when another row ties at the k-th logit."""
+    s = Sampling(temperature=0.7, top_k=6)  # no top-p: it could drop the tied tail
+    logits = rng.standard_normal((5, 64)).astype(np.float32) * 3
+    tied = int(rng.integers(5))
+    order = np.argsort(logits[tied])
+    logits[tied, order[-8:-6]] = logits[tied, order[-6]]  # two more tokens tie at the 6th value
+    positions = jnp.arange(5) + int(rng.integers(1000))
+    seed = jnp.uint32(int(rng.integers(1 << 30)))
+    f = jax.jit(lambda l, p: smp.target_tokens(l, p, seed, s))
+    together = np.asarray(f(jnp.asarray(logits), positions))
+    alone = [int(f(jnp.asarray(logits[i:i + 1]), positions[i:i + 1])[0]) for i in range(5)]
+    assert list(together) == alone
