@@ -10,8 +10,8 @@ counts of accepts over judgements (a window of ~20 steps) shrunk towards the est
 position j - 1 (position 1: a prior) by a couple of pseudo-observations, so a position not
 judged yet inherits its predecessor's rate and longer drafts get tried as soon as short
 ones are accepted; the costs are moving averages of the
-steps' whole wall times in this run (lookups and this decision included; seeded from CPU
-ratios in reference/cpu-facts.md). k is drawn from the compiled verify buckets, so nothing
+steps' whole wall times in this process (lookups and this decision included; seeded from
+CPU ratios in reference/cpu-facts.md). k is drawn from the compiled verify buckets, so nothing
 compiles mid-run; k = 0 means plain steps.
 A model proposer's cost starts from its own estimate (weight bytes against the target's)
 and is then timed; its cost at an untimed k is scaled from the timed ones (a chain of
@@ -21,9 +21,9 @@ never pays costs O(log n) steps of n).
 
 Plain steps run fused (`steps.decode`: no host round trip, no lookup, no decision between
 tokens), in runs that double while plain keeps winning (1, 2, 4, .., 16 tokens) and start
-again at 1 after a drafted step. Plain is priced at its cheapest measured cost per token
-(a long run), not at what a single step costs: priced per step, a weak draft beats one
-plain step and resets the run, and the loop never reaches the cheap long runs. So when
+again at 1 after a drafted step. Plain is priced at what a long run costs per token
+(measured, else RUN_RATIO x t(1)), not at what a single step costs: priced per step, a weak
+draft beats one plain step and resets the run, and the loop never reaches the long runs. So when
 drafts do not pay, the loop's per-token cost approaches plain decoding's, and the lookups
 it skips are at most 15 tokens of a stretch where none had paid.
 
