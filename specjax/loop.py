@@ -229,7 +229,8 @@ def generate(model: Model, ids: Sequence[int], *, max_new_tokens: int, sampling:
             stats.record(n, accepted)
         t3 = time.perf_counter()
         if bad:
-            raise FloatingPointError(f"target logits contain NaN at position {size - 1}; check the weights")
+            raise FloatingPointError(f"target logits contain NaN in the step(s) from position {size - 1}; "
+                                     "check the weights")
         done = emit([int(x) for x in res[:count]])
         if session is not None and not done:
             if taps:
