@@ -341,9 +341,9 @@ class _AdaptiveSession:
         self.choices.append((i, k))
         t0 = time.perf_counter()
         if k == 0:
-            run = min(self.run if timed else 1, limit + 1)
+            run = steps.bucket_below(min(self.run if timed else 1, limit + 1))  # the run the loop takes
             self.run = min(2 * self.run, steps.BUCKETS[-1]) if timed else 1
-            self._pending = (a, 0, 0, entered, t0, t0, steps.bucket_below(run))
+            self._pending = (a, 0, 0, entered, t0, t0, run)
             return Proposal(np.zeros(0, np.int32), 0, plain=run)
         self.run = 1
         if m is not None:  # already looked up

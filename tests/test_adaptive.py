@@ -199,7 +199,7 @@ def test_plain_runs_double_while_plain_wins_and_restart_after_a_draft():
         return prop.plain
 
     assert [step() for _ in range(6)] == [1, 2, 4, 8, 16, 16]
-    assert step(limit=4) == 5  # never past the tokens still wanted (limit + 1)
+    assert step(limit=4) == 4  # never past the tokens still wanted (limit + 1 = 5), as a compiled run length
     history = np.concatenate([history, history[10:14], history[10:13]])  # ends in a repeated 3-gram
     step(drafted=True)
     assert [step() for _ in range(3)] == [1, 2, 4]
