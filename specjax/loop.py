@@ -202,9 +202,16 @@ def generate(model: Model, ids: Sequence[int], *, max_new_tokens: int, sampling:
     while not done:
         t1 = time.perf_counter()
         remaining = max_new_tokens - len(out)
-        prop = session.propose(history[:size], remaining - 1) if session and remaining > 1 else None
+        fused = getattr(session, "fused", False)
+        prop = session.propose(history[:size], remaining - 1) if session and not fused and remaining > 1 else None
         n = prop.n if prop is not None else 0
-        if n == 0:  # plain steps, fused into one call
+        if fused:  # the session runs its steps on the device
+            t2 = time.perf_counter()
+            res, taken, bad, kv = session.run(model, kv, history[:size], remaining, stops, seed_arr, sampling)
+            count = len(res)
+            for n, accepted in taken:
+                stats.record(n, accepted)
+        elif n == 0:  # plain steps, fused into one call
             run = steps.bucket_below(min(prop.plain if prop is not None else PLAIN_RUN, remaining))
             t2 = time.perf_counter()
             res, bad, kv, features = steps.decode(model.params, model.config, kv, np.int32(history[size - 1]),
@@ -232,7 +239,7 @@ def generate(model: Model, ids: Sequence[int], *, max_new_tokens: int, sampling:
             raise FloatingPointError(f"target logits contain NaN in the step(s) from position {size - 1}; "
                                      "check the weights")
         done = emit([int(x) for x in res[:count]])
-        if session is not None and not done:
+        if session is not None and not fused and not done:
             if taps:
                 session.extend(features, int(count))
             session.observe(accepted, history[:size])

@@ -56,9 +56,14 @@ class Session(Protocol):
     def observe(self, accepted: int, history: np.ndarray) -> None: ...
 
 
-def _check_k(k: int, largest: int) -> None:
+def check_k(k: int, largest: int) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= largest:
         raise ProposerError(f"k must be an integer in [1, {largest}], got {k!r}")
+
+
+def check_ngram(max_ngram: int, min_ngram: int) -> None:
+    if not 1 <= min_ngram <= max_ngram:
+        raise ProposerError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
 
 
 def ngram_lookup(history: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> tuple[np.ndarray, int]:
@@ -91,9 +96,8 @@ class NgramProposer:
     min_ngram: int = 1
 
     def __post_init__(self) -> None:
-        _check_k(self.k, steps.BUCKETS[-1] - 1)
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ProposerError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        check_k(self.k, steps.BUCKETS[-1] - 1)
+        check_ngram(self.max_ngram, self.min_ngram)
 
     def start(self, target: Model, prompt: np.ndarray, capacity: int, seed: int, sampling: Sampling) -> Session:
         return _NgramSession(self)
@@ -127,7 +131,7 @@ class DraftProposer:
     sample: bool = False
 
     def __post_init__(self) -> None:
-        _check_k(self.k, steps.BUCKETS[-1] - 1)
+        check_k(self.k, steps.BUCKETS[-1] - 1)
 
     def cost_prior(self, target: Model) -> tuple[float, bool]:
         """Each draft is a decode step of the draft model: its weight bytes over the target's."""
@@ -202,7 +206,7 @@ class DFlashProposer:
         largest = min(self.drafter.cfg.block_size - 1, steps.BUCKETS[-1] - 1)
         if self.k is None:
             object.__setattr__(self, "k", largest)
-        _check_k(self.k, steps.BUCKETS[-1] - 1)
+        check_k(self.k, steps.BUCKETS[-1] - 1)
         if self.k > self.drafter.cfg.block_size - 1:
             where = f" ({self.drafter.path})" if self.drafter.path else ""
             raise ProposerError(f"k={self.k} exceeds block_size - 1 = {self.drafter.cfg.block_size - 1} "

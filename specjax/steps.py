@@ -81,6 +81,13 @@ def verify(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, draft
     Sampled drafts (logq [T-1, V]) use the general rule in sampling.accept_sampled.
     Returns (tokens [T], count = a + 1, nan flag, cache with length + count, taps [n, T, D]).
     """
+    return judge(params, cfg, kv, last, drafts, n_drafts, seed, sampling, width, logq, taps)
+
+
+def judge(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, drafts: jax.Array,
+          n_drafts: jax.Array, seed: jax.Array, sampling: Sampling, width: int,
+          logq: jax.Array | None = None, taps: tuple[int, ...] = ()):
+    """The body of `verify`, unjitted, for callers that trace it inside their own loop."""
     start = kv.lengths[0]
     t = width
     tokens = jnp.concatenate([jnp.reshape(last, (1,)).astype(jnp.int32), _fit(drafts.astype(jnp.int32), t - 1)])

@@ -1,0 +1,144 @@
+"""Prompt lookup on the device (specjax.lookup): same drafts as the host lookup, same
+output as plain decoding, and the per-step choice of k it documents."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import kv as kvlib
+from specjax import lookup, steps
+from specjax.loop import run_prefill
+from specjax.proposers import ProposerError, ngram_lookup
+from specjax.sampling import Sampling
+from conftest import hf_tiny
+
+SAMPLED = Sampling(temperature=0.8, top_k=40, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def cyclic(tmp_path_factory):
+    """A random target whose greedy output falls into cycles, so lookups get accepted."""
+    folder = tmp_path_factory.mktemp("cyclic")
+    hf_tiny(folder, seed=3, init=0.1)
+    return specjax.load(folder)
+
+
+def _prompt(rng, vocab, period=9, repeats=3):
+    base = rng.integers(0, vocab, period)
+    return np.concatenate([np.tile(base, repeats), base[:4]])
+
+
+def test_find_equals_host_lookup(rng):
+    size_max = 40
+    for k, hi, lo in [(1, 1, 1), (3, 2, 1), (7, 3, 1), (5, 4, 2)]:
+        find = jax.jit(lambda h, n: lookup.find(h, n, k, hi, lo))
+        for _ in range(60):
+            size = int(rng.integers(1, size_max))
+            history = rng.integers(0, int(rng.integers(2, 6)), size).astype(np.int32)
+            padded = rng.integers(0, 6, size_max + k).astype(np.int32)  # garbage past size
+            padded[:size] = history
+            drafts, n, matched = find(padded, np.int32(size))
+            want, want_n = ngram_lookup(history, k, hi, lo)
+            assert int(n) == len(want) and int(matched) == want_n
+            np.testing.assert_array_equal(np.asarray(drafts)[:int(n)], want)
+
+
+@pytest.mark.parametrize("k, n_steps", [(1, 16), (4, 3), (15, 16)])
+def test_greedy_and_sampled_equal_plain(cyclic, tiny, rng, k, n_steps):
+    prop = lookup.LookupProposer(k=k, steps=n_steps)
+    for model in (cyclic, tiny[2]):
+        ids = _prompt(rng, model.config.vocab_size)
+        for sampling in (Sampling(), SAMPLED):
+            seed = int(rng.integers(1 << 31))
+            plain = specjax.generate(model, ids, max_new_tokens=50, sampling=sampling, seed=seed)
+            spec = specjax.generate(model, ids, max_new_tokens=50, sampling=sampling, seed=seed, speculative=prop)
+            assert spec.tokens == plain.tokens
+            s = spec.stats
+            assert s.steps == len(s.ks) and sum(s.ks) == s.drafted and sum(s.accepts) == s.accepted
+            assert s.new_tokens - 1 <= s.steps + s.accepted  # the last step may run past max_new_tokens
+            if model is cyclic and sampling.greedy:
+                assert s.accepted > 0 and s.steps < plain.stats.steps
+
+
+def test_stop_ids_and_max_new_tokens(cyclic, rng):
+    ids = _prompt(rng, cyclic.config.vocab_size)
+    plain = specjax.generate(cyclic, ids, max_new_tokens=60).tokens
+    prop = lookup.LookupProposer(k=7)
+    for cut in (1, 2, 9, 23):
+        assert specjax.generate(cyclic, ids, max_new_tokens=cut, speculative=prop).tokens == plain[:cut]
+    for stop in set(plain[5:20]):
+        res = specjax.generate(cyclic, ids, max_new_tokens=60, stop_ids=[stop], speculative=prop)
+        assert res.tokens == plain[:plain.index(stop) + 1] and res.stopped
+
+
+def _run_steps(model, ids, acc, jud, costs, k=7, n_steps=8):
+    """`lookup.run` from a given acceptance state [4]: (drafts judged, accepted) per step, state."""
+    cfg = model.config
+    kv = kvlib.init(cfg, 1, 256)
+    first, kv, _ = run_prefill(model, kv, ids.astype(np.int32), jnp.uint32(0), Sampling())
+    history = np.zeros(256 + 16, np.int32)
+    history[:len(ids)] = ids
+    history[len(ids)] = int(first)
+    state = {"accepted": jnp.asarray(acc, jnp.float32), "judged": jnp.asarray(jud, jnp.float32)}
+    out = lookup.run(model.params, cfg, kv, history, np.int32(len(ids) + 1), np.int32(200),
+                     np.full(lookup.STOPS, -1, np.int32), state, jnp.asarray(costs, jnp.float32), jnp.uint32(0),
+                     sampling=Sampling(), k=k, max_ngram=3, min_ngram=1, steps_=n_steps)
+    return np.asarray(out[5]["drafts"]), np.asarray(out[5]["accepted"]), {n: np.asarray(v) for n, v in out[4].items()}
+
+
+def _derive(model, ids, acc, jud, costs, k=7, n_steps=8):
+    """The documented rule re-derived in NumPy from the host lookup and plain decoding."""
+    plain = specjax.generate(model, ids, max_new_tokens=n_steps * (k + 1) + 1).tokens
+    acc, jud = np.array(acc, np.float64), np.array(jud, np.float64)
+    widths = [w for w in steps.BUCKETS if w - 1 <= k]
+    t, judged_log, accepted_log = 0, [], []
+    for _ in range(n_steps):
+        history = np.concatenate([ids, plain[:t + 1]]).astype(np.int32)
+        found, m = ngram_lookup(history, k, 3, 1)
+        n = len(found)
+        p = (acc[m] + lookup.PRIOR_ACCEPT * lookup.PSEUDO) / (jud[m] + lookup.PSEUDO)
+        gains = [sum(p ** i for i in range(min(w - 1, n) + 1)) / costs[j] for j, w in enumerate(widths)]
+        drafted = min(widths[int(np.argmax(gains))] - 1, n) if n else 0
+        hits = 0
+        while hits < n and found[hits] == plain[t + 1 + hits]:
+            hits += 1
+        accepted = min(hits, drafted)
+        scored = drafted if drafted else min(n, 1)
+        if m:
+            acc[m] = acc[m] * lookup.ACCEPT_DECAY + min(hits, scored)
+            jud[m] = jud[m] * lookup.ACCEPT_DECAY + min(hits + 1, scored)
+        judged_log.append(drafted)
+        accepted_log.append(accepted)
+        t += accepted + 1
+    return np.array(judged_log), np.array(accepted_log), {"accepted": acc, "judged": jud}
+
+
+@pytest.mark.parametrize("p, costs", [(0.0, [1.0, 1.1, 1.3, 1.75, 2.8]), (1.0, [1.0] * 5),
+                                      (0.5, [1.0, 1.2, 1.9, 4.0, 9.0]), (0.7, [1.0, 1.1, 1.3, 1.75, 2.8])])
+def test_choice_of_k_and_scoring_follow_the_documented_rule(cyclic, rng, p, costs):
+    """Drafts judged and accepted per step and the final acceptance state equal a NumPy
+    re-derivation; a record of rejections never drafts, one of acceptances drafts all found."""
+    ids = np.tile(rng.integers(0, cyclic.config.vocab_size, 5), 6)
+    acc, jud = [p * 1e3] * 4, [1e3] * 4
+    got_judged, got_accepted, got_state = _run_steps(cyclic, ids, acc, jud, costs)
+    want_judged, want_accepted, want_state = _derive(cyclic, ids, acc, jud, costs)
+    np.testing.assert_array_equal(got_judged, want_judged)
+    np.testing.assert_array_equal(got_accepted, want_accepted)
+    for name in ("accepted", "judged"):
+        np.testing.assert_allclose(got_state[name], want_state[name], rtol=1e-5)
+    if p == 0.0:
+        assert (got_judged == 0).all()
+    if p == 1.0:
+        assert got_accepted.sum() > 0
+
+
+def test_bad_options():
+    for bad in (0, 16):
+        with pytest.raises(ProposerError, match="k must be"):
+            lookup.LookupProposer(k=bad)
+    with pytest.raises(ProposerError, match="min_ngram"):
+        lookup.LookupProposer(max_ngram=1, min_ngram=2)
+    with pytest.raises(ProposerError, match="steps"):
+        lookup.LookupProposer(steps=0)
