@@ -23,6 +23,7 @@ from train.prompts import WORKLOADS, workload
 from .adaptive import Adaptive
 from .checkpoint import weight_bytes
 from .loop import capacity_for, generate
+from .lookup import LookupProposer
 from .model import Model, load
 from .proposers import DraftProposer, NgramProposer
 from .sampling import Sampling
@@ -73,6 +74,7 @@ def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
     """(method, k, proposer) rows; plain first."""
     rows: list[tuple[str, int, Any]] = [("plain", 0, None)]
     rows += [("ngram", k, NgramProposer(k=k)) for k in cfg.ngram_ks]
+    rows.append(("lookup", 0, LookupProposer(k=max(cfg.ngram_ks))))  # what `specjax generate` runs on CPU
     pool = [NgramProposer(k=max(cfg.ngram_ks))]
     if cfg.draft is not None:
         draft = load(cfg.draft, target.dtype)
@@ -86,7 +88,7 @@ def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
         ks = sorted({k for k in cfg.dflash_ks if k < drafter.cfg.block_size} | {DFlashProposer(drafter).k})
         rows += [("dflash", k, DFlashProposer(drafter, k=k)) for k in ks]
         pool.append(DFlashProposer(drafter, k=ks[-1]))
-    if len(pool) > 1:  # what `specjax generate --speculate K` runs
+    if len(pool) > 1:  # the same drafts chosen on the host
         rows.append(("adaptive-ngram", 0, Adaptive(pool[0])))
     rows.append(("adaptive", 0, Adaptive(*pool)))
     return rows
@@ -403,7 +405,7 @@ def _jsonable(x: Any) -> Any:
 
 def markdown(results: dict[str, Any]) -> str:
     """The results table: speedup at the best k of each method, per workload and sampling."""
-    adaptive = ("adaptive-ngram", "adaptive")
+    adaptive = ("lookup", "adaptive-ngram", "adaptive")  # k chosen per step
     methods = [m for m in ("ngram", "draft", "dflash") + adaptive if any(m in c["best_k"] for c in results["cells"])]
     head = ["workload", "sampling", "plain tok/s"] + [m if m in adaptive else f"{m} (best k)" for m in methods]
     if "dflash" in methods:

@@ -68,8 +68,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the short warm-up generation that compiles the steps before the timed run")
     p.add_argument("--no-speculate", action="store_true",
-                   help="plain decoding (default without proposer flags: adaptive prompt lookup, and off "
-                        "CPU also the model's shipped -draft / -dflash siblings)")
+                   help="plain decoding (default without proposer flags: prompt lookup with k chosen per "
+                        "step, and off CPU also the model's shipped -draft / -dflash siblings)")
 
 
 def _add_bench(sub) -> None:
@@ -132,12 +132,14 @@ def _prompt_ids(args, tokenizer) -> list[int]:
 
 
 def _proposer(args, target):
-    """The proposer the flags ask for; several, any k of `auto`, or prompt lookup (free to
-    ask, so always worth judging per step) make an Adaptive one."""
+    """The proposer the flags ask for. Prompt lookup alone runs on the device
+    (`LookupProposer`, k chosen per step); several proposers, or any k of `auto`, make an
+    Adaptive one (prompt lookup among them is judged every step: it is free to ask)."""
     import jax
 
     from .adaptive import Adaptive
     from .dflash import load_dflash
+    from .lookup import LookupProposer
     from .model import load
     from .proposers import DFlashProposer, DraftProposer, NgramProposer
 
@@ -163,6 +165,8 @@ def _proposer(args, target):
                 chosen.append((DraftProposer(load(draft, target.dtype), k=7), "auto"))
             if (dflash := _sibling(model_dir, "dflash")) is not None:
                 chosen.append((DFlashProposer(load_dflash(dflash, target)), "auto"))
+    if len(chosen) == 1 and isinstance(chosen[0][0], NgramProposer):  # lookup alone: all of it on the device
+        return LookupProposer(k=chosen[0][0].k)
     if len(chosen) > 1 or chosen[0][1] == "auto":
         return Adaptive(*(p for p, _ in chosen))
     return chosen[0][0]

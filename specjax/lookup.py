@@ -161,27 +161,26 @@ def prior_ratios() -> np.ndarray:
 
 @dataclasses.dataclass
 class StepCosts:
-    """Seconds per step of each verify width, fitted to whole calls of `run`:
+    """Seconds per step of each verify width, fitted to whole calls of `run`,
 
-        seconds(call) = overhead + sum_w steps_w * c_w
+        seconds(call) = sum_w steps_w * c_w   (a call's fixed overhead spreads over its steps),
 
-    by least squares over decayed calls plus pseudo-calls of the prior (each width: a
-    call of `steps` steps at prior_w * t(1), worth `strength` calls; t(1) is taken from
-    the first timed call), so a width never run keeps its prior and one run often follows
-    data. The first call is not timed: it compiled.
+    by least squares over decayed calls plus one pseudo-step per width saying
+    c_w = prior_w * c_1 (a ridge toward the prior's ratios, solved to a fixed point), so a
+    width never run keeps its prior ratio and one run often follows data. The first call
+    is not timed: it compiled.
     """
 
     prior: np.ndarray            # [W] t(T)/t(1)
-    steps: int = 16
-    strength: float = 2.0
+    strength: float = 1.0        # weight of each pseudo-step
     decay: float = 0.9
     gram: np.ndarray = dataclasses.field(init=False)
     moment: np.ndarray = dataclasses.field(init=False)
-    anchor: tuple | None = None  # (gram, moment) of the prior's pseudo-calls, set by the first timed call
-    warm: bool = False           # the first call is not timed: it compiled
+    t1: float | None = None      # t(1) guessed from the first timed call
+    warm: bool = False
 
     def __post_init__(self) -> None:
-        n = len(self.prior) + 1
+        n = len(self.prior)
         self.gram, self.moment = np.zeros((n, n)), np.zeros(n)
 
     def observe(self, counts: np.ndarray, seconds: float) -> None:
@@ -189,27 +188,21 @@ class StepCosts:
         if not self.warm:
             self.warm = True
             return
-        x = np.concatenate([[1.0], counts])
-        if self.anchor is None:
-            t1 = seconds / (1.0 + float(counts @ self.prior))  # the overhead counted as one step
-            rows = [np.concatenate([[1.0], np.zeros(len(self.prior))])]
-            times = [t1]
-            for w, ratio in enumerate(self.prior):
-                row = np.zeros(len(self.prior) + 1)
-                row[0], row[w + 1] = 1.0, self.steps
-                rows.append(row)
-                times.append(t1 + self.steps * ratio * t1)
-            rows, times = np.array(rows), np.array(times)
-            self.anchor = (self.strength * rows.T @ rows, self.strength * rows.T @ times)
-        self.gram = self.decay * self.gram + np.outer(x, x)
-        self.moment = self.decay * self.moment + x * seconds
+        if self.t1 is None:
+            self.t1 = seconds / max(float(counts @ self.prior), 1.0)
+        self.gram = self.decay * self.gram + np.outer(counts, counts)
+        self.moment = self.decay * self.moment + counts * seconds
 
     def ratios(self) -> np.ndarray:
-        """Fitted t(T)/t(1) per width, at least 1 and not falling with T (prior before any call)."""
-        if self.anchor is None:
+        """Fitted t(T)/t(1) per width, at least 1 and not falling with T (the prior before any timing)."""
+        if self.t1 is None:
             return self.prior
-        theta = np.linalg.solve(self.gram + self.anchor[0], self.moment + self.anchor[1])
-        per_step = np.maximum(theta[1:], 1e-9)
+        gram = self.gram + self.strength * np.eye(len(self.prior))
+        t1 = self.t1
+        for _ in range(4):
+            per_step = np.linalg.solve(gram, self.moment + self.strength * self.prior * t1)
+            t1 = max(per_step[0], 1e-9)
+        per_step = np.maximum(per_step, 1e-9)
         return np.maximum.accumulate(np.maximum(per_step / per_step[0], 1.0))
 
 
@@ -239,7 +232,7 @@ class LookupProposer:
 
     def start(self, target: Model, prompt: np.ndarray, capacity: int, seed: int, sampling: Sampling):
         costs = self._costs.setdefault(target, {}).setdefault(
-            (capacity, sampling), StepCosts(prior_ratios(), steps=self.steps))
+            (capacity, sampling), StepCosts(prior_ratios()))
         return _LookupSession(self, capacity, costs)
 
 

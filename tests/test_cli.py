@@ -46,25 +46,28 @@ def test_bad_input_exits_2(argv, match, capsys, folder):
 
 
 def test_default_and_flag_proposers(folder):
-    """Without flags on CPU: adaptive prompt lookup only; --speculate K is adaptive up to K;
-    a draft model with a fixed k is used as given."""
+    """Without flags on CPU: prompt lookup on the device; off CPU adaptive over lookup and the
+    sibling draft model; --speculate K alone is lookup up to K; a draft model with a fixed
+    k is used as given; lookup with a draft model is adaptive."""
     import jax
 
     import specjax
     from specjax import cli
     from specjax.adaptive import Adaptive
+    from specjax.lookup import LookupProposer
     from specjax.proposers import DraftProposer, NgramProposer
 
     target = specjax.load(folder)
     parse = lambda *flags: cli._build_parser().parse_args(["generate", "--model", str(folder), "--prompt", "x", *flags])
     default = cli._proposer(parse(), target)
-    assert isinstance(default, Adaptive)
-    kinds = [type(p) for p in default.proposers]
     if jax.default_backend() == "cpu":
-        assert kinds == [NgramProposer]
+        assert isinstance(default, LookupProposer) and default.k == 15
     else:
-        assert kinds == [NgramProposer, DraftProposer]  # the m-draft sibling
+        assert isinstance(default, Adaptive)
+        assert [type(p) for p in default.proposers] == [NgramProposer, DraftProposer]  # the m-draft sibling
     fixed = cli._proposer(parse("--speculate", "5"), target)
-    assert isinstance(fixed, Adaptive) and [p.k for p in fixed.proposers] == [5]
+    assert isinstance(fixed, LookupProposer) and fixed.k == 5
+    both = cli._proposer(parse("--speculate", "5", "--draft", str(folder.parent / "m-draft")), target)
+    assert isinstance(both, Adaptive) and [type(p) for p in both.proposers] == [NgramProposer, DraftProposer]
     draft = cli._proposer(parse("--draft", str(folder.parent / "m-draft"), "--draft-k", "3"), target)
     assert isinstance(draft, DraftProposer) and draft.k == 3

@@ -134,6 +134,23 @@ def test_choice_of_k_and_scoring_follow_the_documented_rule(cyclic, rng, p, cost
         assert got_accepted.sum() > 0
 
 
+def test_step_costs_fit_calls_and_keep_the_prior_for_widths_never_run(rng):
+    """Calls mixing widths 1, 2 and 4 with known per-step times: the fit finds their
+    ratios, widths 8 and 16 keep the prior's, and the first (compiling) call is ignored."""
+    true = np.array([1.0, 1.6, 2.2, 3.0, 5.0]) * 1e-3   # seconds per step
+    prior = np.array([1.0, 1.1, 1.5, 3.0, 5.0])        # wrong for widths 2 and 4
+    costs = lookup.StepCosts(prior)
+    costs.observe(np.array([16.0, 0, 0, 0, 0]), 30.0)  # compiled: not timed
+    for _ in range(40):
+        counts = np.zeros(5)
+        counts[:3] = rng.multinomial(16, rng.dirichlet(np.ones(3)))
+        costs.observe(counts, counts @ true + rng.normal(0, 2e-5))
+    got = costs.ratios()
+    np.testing.assert_allclose(got[:3], true[:3] / true[0], rtol=0.03)
+    np.testing.assert_allclose(got[3:], prior[3:], rtol=0.1)
+    assert (np.diff(got) >= 0).all() and lookup.StepCosts(prior).ratios() is prior
+
+
 def test_bad_options():
     for bad in (0, 16):
         with pytest.raises(ProposerError, match="k must be"):
