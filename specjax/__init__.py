@@ -13,6 +13,7 @@ _EXPORTS = {
     "generate": "loop", "GenerateResult": "loop", "Stats": "loop",
     "Sampling": "sampling",
     "NgramProposer": "proposers", "DraftProposer": "proposers", "DFlashProposer": "proposers",
+    "LookupProposer": "lookup",
     "load_dflash": "dflash",
     "Qwen3Config": "config",
     "Adaptive": "adaptive",
