@@ -9,8 +9,8 @@ The choice of k per step maximises E[tokens] / cost(width) under a geometric acc
 model per n-gram length matched: p_m = decayed accepted / judged drafts after an m-token
 match, shrunk to a prior. Every lookup is scored, drafted or not (a plain step still
 judges the first draft against the token it commits), so a weak match that stops paying is
-skipped and one that starts paying is taken again. cost(width) is t(T)/t(1) of the
-target's verify step (`adaptive.prior_verify_ratio`); k = 0 is a plain T = 1 step.
+skipped and one that starts paying is taken again. cost(width) is t(T)/t(1) of a step
+inside this loop, fitted to the calls' wall times (`StepCosts`); k = 0 is a plain T = 1 step.
 
 Exactness: the drafts and the choice are functions of committed tokens and past
 acceptance only, and each step is `steps.judge` with deterministic drafts, so every step
@@ -85,17 +85,17 @@ def expected_tokens(p: jax.Array, n: jax.Array) -> jax.Array:
     return jnp.where(p < 1.0, (1.0 - p ** (n + 1)) / (1.0 - jnp.minimum(p, 1.0 - 1e-6)), n + 1.0)
 
 
-@partial(jax.jit, static_argnames=("cfg", "sampling", "k", "max_ngram", "min_ngram", "steps_"),
+@partial(jax.jit, static_argnames=("cfg", "sampling", "k", "max_ngram", "min_ngram", "n_steps"),
          donate_argnames=("kv",))
 def run(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, size: jax.Array,
         budget: jax.Array, stops: jax.Array, state: dict, costs: jax.Array, seed: jax.Array,
-        sampling: Sampling, k: int, max_ngram: int, min_ngram: int, steps_: int):
-    """Up to `steps_` speculative steps, stopping once `budget` tokens are committed or a
+        sampling: Sampling, k: int, max_ngram: int, min_ngram: int, n_steps: int):
+    """Up to `n_steps` speculative steps, stopping once `budget` tokens are committed or a
     stop id is; history[size - 1] is the token the next step feeds (the cache holds the rest).
 
     state: {"accepted", "judged"} [max_ngram + 1] decayed counts; costs [widths] t(T)/t(1).
     Returns (history with the new tokens from `size`, new size, nan flag, cache, state,
-    log: per step "drafts" judged, "accepted" and "width" (index into BUCKETS) [steps_],
+    log: per step "drafts" judged, "accepted" and "width" (index into BUCKETS) [n_steps],
     -1 after the last step).
     """
     widths = tuple(w for w in steps.BUCKETS if w - 1 <= k)
@@ -112,10 +112,10 @@ def run(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, size:
         drafts, found, m = find(history, size, k, max_ngram, min_ngram)
         found = jnp.minimum(found, jnp.maximum(budget - made - 1, 0))
         p = (state["accepted"][m] + PRIOR_ACCEPT * PSEUDO) / (state["judged"][m] + PSEUDO)
-        useful = jnp.array([min(w - 1, k) for w in widths])
-        gain = expected_tokens(p, jnp.minimum(useful, found)) / costs[:len(widths)]
+        room = jnp.array([w - 1 for w in widths])  # drafts each width can judge
+        gain = expected_tokens(p, jnp.minimum(room, found)) / costs[:len(widths)]
         pick = jnp.where(found > 0, jnp.argmax(gain), 0)
-        width_n = jnp.minimum(jnp.array([w - 1 for w in widths])[pick], found)
+        width_n = jnp.minimum(room[pick], found)
         out, count, nan, kv = _switch(pick, [branch(w) for w in widths], kv, history[size - 1], drafts, width_n)
         # score the lookup: drafted steps judge width_n drafts, plain ones the first
         judge_n = jnp.where(pick > 0, width_n, jnp.minimum(found, 1))
@@ -134,9 +134,9 @@ def run(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, size:
 
     def more(c):
         _, _, _, made, i, _, _, stopped, _ = c
-        return (i < steps_) & (made < budget) & ~stopped
+        return (i < n_steps) & (made < budget) & ~stopped
 
-    log = {name: jnp.full((steps_,), -1, jnp.int32) for name in ("drafts", "accepted", "width")}
+    log = {name: jnp.full((n_steps,), -1, jnp.int32) for name in ("drafts", "accepted", "width")}
     init = (kv, history, size, jnp.int32(0), jnp.int32(0), state, jnp.bool_(False), jnp.bool_(False), log)
     kv, history, size, _, _, state, bad, _, log = jax.lax.while_loop(more, body, init)
     return history, size, bad, kv, state, log
@@ -261,7 +261,7 @@ class _LookupSession:
         out, size, bad, kv, self.state, log = run(
             model.params, model.config, kv, buf, np.int32(len(history)), np.int32(budget), stops, self.state,
             np.asarray(self.costs.ratios(), np.float32), seed, sampling=sampling, k=s.k, max_ngram=s.max_ngram,
-            min_ngram=s.min_ngram, steps_=s.steps)
+            min_ngram=s.min_ngram, n_steps=s.steps)
         out, size, bad, log = jax.device_get((out, size, bad, log))
         taken = log["width"] >= 0
         self.costs.observe(np.bincount(log["width"][taken], minlength=len(steps.BUCKETS)).astype(float),

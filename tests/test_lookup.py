@@ -84,7 +84,7 @@ def _run_steps(model, ids, acc, jud, costs, k=7, n_steps=8):
     state = {"accepted": jnp.asarray(acc, jnp.float32), "judged": jnp.asarray(jud, jnp.float32)}
     out = lookup.run(model.params, cfg, kv, history, np.int32(len(ids) + 1), np.int32(200),
                      np.full(lookup.STOPS, -1, np.int32), state, jnp.asarray(costs, jnp.float32), jnp.uint32(0),
-                     sampling=Sampling(), k=k, max_ngram=3, min_ngram=1, steps_=n_steps)
+                     sampling=Sampling(), k=k, max_ngram=3, min_ngram=1, n_steps=n_steps)
     return np.asarray(out[5]["drafts"]), np.asarray(out[5]["accepted"]), {n: np.asarray(v) for n, v in out[4].items()}
 
 
