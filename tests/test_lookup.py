@@ -45,7 +45,7 @@ def test_find_equals_host_lookup(rng):
             np.testing.assert_array_equal(np.asarray(drafts)[:int(n)], want)
 
 
-@pytest.mark.parametrize("k, n_steps", [(1, 16), (4, 3), (15, 16)])
+@pytest.mark.parametrize("k, n_steps", [(2, 16), (15, 5)])
 def test_greedy_and_sampled_equal_plain(cyclic, tiny, rng, k, n_steps):
     prop = lookup.LookupProposer(k=k, steps=n_steps)
     for model in (cyclic, tiny[2]):
