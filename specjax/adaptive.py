@@ -274,6 +274,9 @@ class Adaptive:
     def __init__(self, *proposers: Any, prior_accept: float = 0.6, accept_decay: float = 0.95):
         if not proposers:
             raise ProposerError("Adaptive needs at least one proposer")
+        if any(getattr(p, "fused", False) for p in proposers):
+            raise ProposerError("LookupProposer runs its own steps on the device and cannot be wrapped by "
+                                "Adaptive; give Adaptive an NgramProposer, or pass LookupProposer to generate()")
         object.__setattr__(self, "proposers", tuple(proposers))
         object.__setattr__(self, "prior_accept", prior_accept)
         object.__setattr__(self, "accept_decay", accept_decay)

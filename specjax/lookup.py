@@ -221,6 +221,7 @@ class LookupProposer:
     max_ngram: int = 3
     min_ngram: int = 1
     steps: int = 16
+    fused = True  # runs the loop's steps itself: not a proposer for Adaptive
 
     def __post_init__(self) -> None:
         check_k(self.k, steps.BUCKETS[-1] - 1)
@@ -269,8 +270,3 @@ class _LookupSession:
         steps_taken = [(int(n), int(a)) for n, a in zip(log["drafts"][taken], log["accepted"][taken])]
         return [int(x) for x in out[len(history):size]], steps_taken, bool(bad), kv
 
-    def propose(self, history: np.ndarray, limit: int):
-        raise ProposerError("LookupProposer runs its own steps (session.run); generate() drives it")
-
-    def observe(self, accepted: int, history: np.ndarray) -> None:
-        """Nothing: acceptance is tracked on the device."""

@@ -159,3 +159,8 @@ def test_bad_options():
         lookup.LookupProposer(max_ngram=1, min_ngram=2)
     with pytest.raises(ProposerError, match="steps"):
         lookup.LookupProposer(steps=0)
+
+
+def test_cannot_be_wrapped():
+    with pytest.raises(ProposerError, match="cannot be wrapped"):
+        specjax.Adaptive(lookup.LookupProposer())
