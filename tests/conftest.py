@@ -73,6 +73,22 @@ def run_crashing_at(monkeypatch, module, step: int, run) -> None:
 
 
 @pytest.fixture(scope="session")
+def cyclic_target(tmp_path_factory):
+    """A random target whose greedy output falls into cycles, so prompt-lookup drafts get accepted."""
+    import specjax
+
+    folder = tmp_path_factory.mktemp("cyclic")
+    hf_tiny(folder, seed=3, init=0.1)
+    return specjax.load(folder)
+
+
+def repeating_prompt(rng, vocab: int, period: int = 9, repeats: int = 3) -> np.ndarray:
+    """A random period repeated, then its first 4 tokens: something for prompt lookup to copy."""
+    base = rng.integers(0, vocab, period)
+    return np.concatenate([np.tile(base, repeats), base[:4]])
+
+
+@pytest.fixture(scope="session")
 def calm(tmp_path_factory):
     """(transformers model, specjax model) with init 0.1: logits and residuals of order 1-10,
     the scale the f32 tolerances (1e-5 simple ops, 1e-4 composites) are set for."""

@@ -12,22 +12,9 @@ from specjax import lookup, steps
 from specjax.loop import run_prefill
 from specjax.proposers import ProposerError, ngram_lookup
 from specjax.sampling import Sampling
-from conftest import hf_tiny
+from conftest import repeating_prompt
 
 SAMPLED = Sampling(temperature=0.8, top_k=40, top_p=0.9)
-
-
-@pytest.fixture(scope="module")
-def cyclic(tmp_path_factory):
-    """A random target whose greedy output falls into cycles, so lookups get accepted."""
-    folder = tmp_path_factory.mktemp("cyclic")
-    hf_tiny(folder, seed=3, init=0.1)
-    return specjax.load(folder)
-
-
-def _prompt(rng, vocab, period=9, repeats=3):
-    base = rng.integers(0, vocab, period)
-    return np.concatenate([np.tile(base, repeats), base[:4]])
 
 
 def test_find_equals_host_lookup(rng):
@@ -46,10 +33,10 @@ def test_find_equals_host_lookup(rng):
 
 
 @pytest.mark.parametrize("k, n_steps", [(2, 16), (15, 5)])
-def test_greedy_and_sampled_equal_plain(cyclic, tiny, rng, k, n_steps):
+def test_greedy_and_sampled_equal_plain(cyclic_target, tiny, rng, k, n_steps):
     prop = lookup.LookupProposer(k=k, steps=n_steps)
-    for model in (cyclic, tiny[2]):
-        ids = _prompt(rng, model.config.vocab_size)
+    for model in (cyclic_target, tiny[2]):
+        ids = repeating_prompt(rng, model.config.vocab_size)
         for sampling in (Sampling(), SAMPLED):
             seed = int(rng.integers(1 << 31))
             plain = specjax.generate(model, ids, max_new_tokens=50, sampling=sampling, seed=seed)
@@ -58,18 +45,18 @@ def test_greedy_and_sampled_equal_plain(cyclic, tiny, rng, k, n_steps):
             s = spec.stats
             assert s.steps == len(s.ks) and sum(s.ks) == s.drafted and sum(s.accepts) == s.accepted
             assert s.new_tokens - 1 <= s.steps + s.accepted  # the last step may run past max_new_tokens
-            if model is cyclic and sampling.greedy:
+            if model is cyclic_target and sampling.greedy:
                 assert s.accepted > 0 and s.steps < plain.stats.steps
 
 
-def test_stop_ids_and_max_new_tokens(cyclic, rng):
-    ids = _prompt(rng, cyclic.config.vocab_size)
-    plain = specjax.generate(cyclic, ids, max_new_tokens=60).tokens
+def test_stop_ids_and_max_new_tokens(cyclic_target, rng):
+    ids = repeating_prompt(rng, cyclic_target.config.vocab_size)
+    plain = specjax.generate(cyclic_target, ids, max_new_tokens=60).tokens
     prop = lookup.LookupProposer(k=7)
     for cut in (1, 2, 9, 23):
-        assert specjax.generate(cyclic, ids, max_new_tokens=cut, speculative=prop).tokens == plain[:cut]
+        assert specjax.generate(cyclic_target, ids, max_new_tokens=cut, speculative=prop).tokens == plain[:cut]
     for stop in set(plain[5:20]):
-        res = specjax.generate(cyclic, ids, max_new_tokens=60, stop_ids=[stop], speculative=prop)
+        res = specjax.generate(cyclic_target, ids, max_new_tokens=60, stop_ids=[stop], speculative=prop)
         assert res.tokens == plain[:plain.index(stop) + 1] and res.stopped
 
 
@@ -117,13 +104,13 @@ def _derive(model, ids, acc, jud, costs, k=7, n_steps=8):
 
 @pytest.mark.parametrize("p, costs", [(0.0, [1.0, 1.1, 1.3, 1.75, 2.8]), (1.0, [1.0] * 5),
                                       (0.5, [1.0, 1.2, 1.9, 4.0, 9.0]), (0.7, [1.0, 1.1, 1.3, 1.75, 2.8])])
-def test_choice_of_k_and_scoring_follow_the_documented_rule(cyclic, rng, p, costs):
+def test_choice_of_k_and_scoring_follow_the_documented_rule(cyclic_target, rng, p, costs):
     """Drafts judged and accepted per step and the final acceptance state equal a NumPy
     re-derivation; a record of rejections never drafts, one of acceptances drafts all found."""
-    ids = np.tile(rng.integers(0, cyclic.config.vocab_size, 5), 6)
+    ids = np.tile(rng.integers(0, cyclic_target.config.vocab_size, 5), 6)
     acc, jud = [p * 1e3] * 4, [1e3] * 4
-    got_judged, got_accepted, got_state = _run_steps(cyclic, ids, acc, jud, costs)
-    want_judged, want_accepted, want_state = _derive(cyclic, ids, acc, jud, costs)
+    got_judged, got_accepted, got_state = _run_steps(cyclic_target, ids, acc, jud, costs)
+    want_judged, want_accepted, want_state = _derive(cyclic_target, ids, acc, jud, costs)
     np.testing.assert_array_equal(got_judged, want_judged)
     np.testing.assert_array_equal(got_accepted, want_accepted)
     for name in ("accepted", "judged"):

@@ -14,17 +14,9 @@ from specjax import sampling as smp
 from specjax.loop import run_prefill
 from specjax.proposers import DraftProposer, NgramProposer, ProposerError, ngram_lookup
 from specjax.sampling import Sampling
-from conftest import hf_tiny
+from conftest import hf_tiny, repeating_prompt
 
 SAMPLED = Sampling(temperature=0.8, top_k=40, top_p=0.9)
-
-
-@pytest.fixture(scope="module")
-def cyclic(tmp_path_factory):
-    """A random target whose greedy output falls into cycles, so n-gram drafts get accepted."""
-    folder = tmp_path_factory.mktemp("cyclic")
-    hf_tiny(folder, seed=3, init=0.1)
-    return specjax.load(folder)
 
 
 @pytest.fixture(scope="module")
@@ -34,19 +26,14 @@ def small_draft(tmp_path_factory):
     return specjax.load(folder)
 
 
-def _prompt(rng, vocab, period=9, repeats=3):
-    base = rng.integers(0, vocab, period)
-    return np.concatenate([np.tile(base, repeats), base[:4]])
-
-
 @pytest.mark.parametrize("k", [1, 2, 4, 7, 15])
-def test_ngram_greedy_equals_plain(cyclic, tiny, rng, k):
-    for model in (cyclic, tiny[2]):
-        ids = _prompt(rng, model.config.vocab_size)
+def test_ngram_greedy_equals_plain(cyclic_target, tiny, rng, k):
+    for model in (cyclic_target, tiny[2]):
+        ids = repeating_prompt(rng, model.config.vocab_size)
         plain = specjax.generate(model, ids, max_new_tokens=48)
         spec = specjax.generate(model, ids, max_new_tokens=48, speculative=NgramProposer(k=k))
         assert spec.tokens == plain.tokens
-        if model is cyclic:
+        if model is cyclic_target:
             assert spec.stats.accepted > 0 and spec.stats.steps < plain.stats.steps
 
 
@@ -70,7 +57,7 @@ def test_ngram_lookup_equals_brute_force(rng):
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_draft_model_greedy_equals_plain(tiny, small_draft, rng, k):
     model = tiny[2]
-    ids = _prompt(rng, model.config.vocab_size)
+    ids = repeating_prompt(rng, model.config.vocab_size)
     plain = specjax.generate(model, ids, max_new_tokens=40)
     spec = specjax.generate(model, ids, max_new_tokens=40, speculative=DraftProposer(small_draft, k=k))
     assert spec.tokens == plain.tokens
@@ -94,10 +81,10 @@ def test_stop_and_max_new_tokens_inside_an_accepted_block(tiny, rng):
         assert res.tokens == plain[:plain.index(stop) + 1] and res.stopped
 
 
-def test_sampled_deterministic_proposers_equal_plain_sampled(cyclic, tiny, small_draft, rng):
-    for model, prop in [(cyclic, NgramProposer(k=4)), (tiny[2], NgramProposer(k=3)),
+def test_sampled_deterministic_proposers_equal_plain_sampled(cyclic_target, tiny, small_draft, rng):
+    for model, prop in [(cyclic_target, NgramProposer(k=4)), (tiny[2], NgramProposer(k=3)),
                         (tiny[2], DraftProposer(small_draft, k=3)), (tiny[2], DraftProposer(tiny[2], k=5))]:
-        ids = _prompt(rng, model.config.vocab_size)
+        ids = repeating_prompt(rng, model.config.vocab_size)
         seed = int(rng.integers(1 << 31))
         plain = specjax.generate(model, ids, max_new_tokens=40, sampling=SAMPLED, seed=seed)
         spec = specjax.generate(model, ids, max_new_tokens=40, sampling=SAMPLED, seed=seed, speculative=prop)
