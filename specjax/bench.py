@@ -226,8 +226,9 @@ def measure_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
 
 def step_profile(model: Model, ts: tuple[int, ...], context: int = 512, rounds: int = 7) -> dict[str, Any]:
     """Verify-step time for each T (round-robin, median of per-round ratios to T=1), and
-    against the weight-bytes / bandwidth floor: the T=1 step called alone (dispatch and
-    result included) and a token of a fused plain run (`steps.decode`, as generate decodes)."""
+    against the weight-bytes / bandwidth floor (median of per-round ratios, the bandwidth
+    measured in each round): the T=1 step called alone (dispatch and result included) and
+    a token of a fused plain run (`steps.decode`, as generate decodes)."""
     import jax
     import jax.numpy as jnp
     from . import kv as kvlib
@@ -251,13 +252,6 @@ def step_profile(model: Model, ts: tuple[int, ...], context: int = 512, rounds: 
         kv = kvlib.truncate(kv, jnp.array([context]))
         return elapsed
 
-    for t in ts:  # compile
-        once(t)
-        once(t)
-    times: dict[int, list[float]] = {t: [] for t in ts}
-    for _ in range(rounds):
-        for t in ts:
-            times[t].append(once(t))
     run = steps.BUCKETS[-1]
 
     def fused() -> float:  # plain decoding as generate runs it: a fused run, per token
@@ -270,18 +264,31 @@ def step_profile(model: Model, ts: tuple[int, ...], context: int = 512, rounds: 
         kv = kvlib.truncate(kv, jnp.array([context]))
         return elapsed / run
 
+    for t in ts:  # compile
+        once(t)
+        once(t)
     fused()
-    run_s = statistics.median(fused() for _ in range(rounds))
+    # The bandwidth is measured in every round, next to the steps it prices: on a shared
+    # machine it moves by a quarter within a minute, and a floor from another moment
+    # would put that noise into the ratio.
+    times: dict[int, list[float]] = {t: [] for t in ts}
+    runs, bws = [], []
+    for _ in range(rounds):
+        bws.append(measure_bandwidth(reps=2))
+        for t in ts:
+            times[t].append(once(t))
+        runs.append(fused())
     base = times[ts[0]]
     ratios = {t: statistics.median([a / b for a, b in zip(times[t], base)]) for t in ts}
     nbytes = weight_bytes(model.params)
-    bw = measure_bandwidth()
+    bw = statistics.median(bws)
     floor_s = nbytes / (bw * 1e9)
-    t1 = statistics.median(base)
+    t1, run_s = statistics.median(base), statistics.median(runs)
+    over = lambda xs: statistics.median(x * b * 1e9 / nbytes for x, b in zip(xs, bws))
     return {"context": context, "ms": {t: _spread([x * 1e3 for x in v]) for t, v in times.items()},
             "ratio_to_T1": ratios, "weight_bytes": nbytes, "bandwidth_GBps": bw,
-            "floor_ms": floor_s * 1e3, "decode_ms": t1 * 1e3, "decode_over_floor": t1 / floor_s,
-            "run_ms_per_token": run_s * 1e3, "run_over_floor": run_s / floor_s}
+            "floor_ms": floor_s * 1e3, "decode_ms": t1 * 1e3, "decode_over_floor": over(base),
+            "run_ms_per_token": run_s * 1e3, "run_over_floor": over(runs)}
 
 
 # ---------------------------------------------------------------- the run

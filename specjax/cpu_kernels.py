@@ -1,5 +1,5 @@
-"""Two small C++ kernels (XLA FFI) for the steps of decoding on CPU, where XLA:CPU is far
-from the memory-bandwidth floor (docs/performance.md, fourth pass):
+"""Small C++ kernels (XLA FFI) for the steps of decoding on CPU, where XLA:CPU is far from
+the memory-bandwidth floor (docs/performance.md, fourth and seventh passes):
 
 - `paged_attention`: attention of a step's few queries over the paged KV pool, read in
   place. XLA copies each layer's pool slab and runs YNNPACK batched matmuls at 1-3 GB/s:
@@ -7,8 +7,10 @@ from the memory-bandwidth floor (docs/performance.md, fourth pass):
 - `matmul`: x [M, D] times a weight [N, D] for M <= 16 rows (decode, verify, drafting).
   XLA switches to a packed GEMM from two rows on that costs ~2x a one-row GEMV, so a
   verify step of 8 tokens cost 2x a decode step; the kernel streams the weight once.
+- `kv_write`: a layer's new keys and values into the pools, in place (results alias the
+  pools). XLA's per-token `dynamic_update_slice` loop costs ~3 us a token and pool.
 
-Both compute every output in a fixed order whatever the batch, so a token's logits in a
+The first two compute every output in a fixed order whatever the batch, so a token's logits in a
 verify step are bitwise those of the decode step that would have produced it.
 
 The sources (`csrc/*.cc`) are compiled on first use with the machine's C++ compiler
@@ -35,8 +37,9 @@ import jax
 import jax.numpy as jnp
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_attention.cc", "skinny_matmul.cc")
-TARGETS = {"specjax_paged_attention": "SpecjaxPagedAttention", "specjax_skinny_matmul": "SpecjaxSkinnyMatmul"}
+SOURCES = ("paged_attention.cc", "skinny_matmul.cc", "kv_write.cc")
+TARGETS = {"specjax_paged_attention": "SpecjaxPagedAttention", "specjax_skinny_matmul": "SpecjaxSkinnyMatmul",
+           "specjax_kv_write": "SpecjaxKvWrite"}
 # -ffp-contract=off: whether a multiply-add is fused was decided per template instance,
 # which made a row's result depend on how many rows shared the call.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -113,6 +116,36 @@ def applies_matmul(x: jax.Array, w: jax.Array) -> bool:
     """Whether x [..., D] times w [N, D] should use the matmul kernel."""
     rows = math.prod(x.shape[:-1])
     return 1 <= rows <= MAX_MATMUL_ROWS and x.shape[-1] % 8 == 0 and w.ndim == 2 and _on_cpu(x, w)
+
+
+def applies_write(new: jax.Array, pool: jax.Array) -> bool:
+    """Whether new keys or values [B, T, K, E] should go into `pool` through `kv_write`."""
+    return _on_cpu(new, pool)
+
+
+def kv_write(k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
+             page_table: jax.Array, start: jax.Array, fallback: Callable[..., jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Both pools [L, K, P, Z, E] with layer `layer`'s entries k, v [B, T, K, E] stored at
+    positions start[b] + t (through `page_table` [B, Pr]; past Pr * Z dropped), in place.
+
+    `fallback(pool, layer, new, page_table, start)` (XLA ops, one pool) runs under `jax.vmap`."""
+    _require()
+
+    @jax.custom_batching.custom_vmap
+    def call(*args):
+        out = (jax.ShapeDtypeStruct(k_pool.shape, jnp.float32), jax.ShapeDtypeStruct(v_pool.shape, jnp.float32))
+        return tuple(jax.ffi.ffi_call("specjax_kv_write", out, input_output_aliases={0: 0, 1: 1})(*args))
+
+    @call.def_vmap
+    def _(axis_size, in_batched, kp, vp, layer, k, v, table, start):
+        args = [kp, vp, layer, k, v, table, start]
+        kp, vp, layer, k, v, table, start = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+                                             for a, batched in zip(args, in_batched)]
+        write = jax.vmap(fallback)
+        return (write(kp, layer, k, table, start), write(vp, layer, v, table, start)), (True, True)
+
+    return call(k_pool, v_pool, jnp.asarray(layer, jnp.int32), k, v, page_table.astype(jnp.int32),
+                start.astype(jnp.int32))
 
 
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,

@@ -11,10 +11,13 @@ positions and attention masks keys by position, so later steps overwrite rejecte
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from . import cpu_kernels
 from .config import Qwen3Config
 
 
@@ -67,6 +70,17 @@ def write(pool: jax.Array, layer: jax.Array, new: jax.Array, page_table: jax.Arr
             return jax.lax.dynamic_update_slice(pool, jnp.where(pos < n_pages * z, row.astype(pool.dtype), cur), at)
         pool = jax.lax.fori_loop(0, t, body, pool)
     return pool
+
+
+def write_layer(k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
+                page_table: jax.Array, start: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """Both pools with one layer's new keys and values [B, T, K, E]: the in-place CPU kernel
+    where it applies, else :func:`write` (the same stores)."""
+    if cpu_kernels.applies_write(k, k_pool):
+        return cpu_kernels.kv_write(k_pool, v_pool, layer, k, v, page_table, start,
+                                    partial(write, page_size=page_size))
+    return (write(k_pool, layer, k, page_table, start, page_size),
+            write(v_pool, layer, v, page_table, start, page_size))
 
 
 def layer_slots(pool: jax.Array, layer: jax.Array) -> jax.Array:

@@ -115,8 +115,7 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
         attn = attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions, positions)
     else:
         k_pool, v_pool, page_table, page_size, slot_pos = cache
-        k_pool = kvlib.write(k_pool, layer, k, page_table, positions[:, 0], page_size)
-        v_pool = kvlib.write(v_pool, layer, v, page_table, positions[:, 0], page_size)
+        k_pool, v_pool = kvlib.write_layer(k_pool, v_pool, layer, k, v, page_table, positions[:, 0], page_size)
         if cpu_kernels.applies(q, k_pool):
             attn = cpu_kernels.paged_attention(q, k_pool, v_pool, layer, slot_pos, positions, _attend_layer)
         else:

@@ -143,3 +143,43 @@ def test_under_vmap_matmul_and_attention_agree_with_xla(rng):
     got = jax.vmap(_kernel, (0, 0, 0, None, 0, 0))(q, k, v, jnp.int32(1), slot_pos, q_pos)
     want = jax.vmap(_xla, (0, 0, 0, None, 0, 0))(q, k, v, jnp.int32(1), slot_pos, q_pos)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def _numpy_write(pool, layer, new, table, start):
+    """The stores kv_write must make, re-derived: token t of row b at position start[b] + t."""
+    pool = np.array(pool)
+    z = pool.shape[3]
+    for b in range(new.shape[0]):
+        for t in range(new.shape[1]):
+            pos = start[b] + t
+            if pos < table.shape[1] * z:
+                pool[layer, :, table[b, pos // z], pos % z] = new[b, t]
+    return pool
+
+
+def test_kv_write_stores_each_token_at_its_page_in_place(rng):
+    k, v, table, _ = _case(rng, 32, 2, 1, rows=2, pages=3, page=8, layers=3)
+    new_k, new_v = (rng.standard_normal((2, 6, 2, 32)).astype(np.float32) for _ in range(2))
+    start = np.asarray([5, 20], np.int32)  # row 0 crosses a page; row 1 runs past its 24 slots
+    want_k, want_v = (_numpy_write(p, 1, n, np.asarray(table), start) for p, n in ((k, new_k), (v, new_v)))
+    write = jax.jit(lambda kp, vp, *a: kvlib.write_layer(kp, vp, *a, page_size=8), donate_argnums=(0, 1))
+    assert cpu_kernels.applies_write(jnp.asarray(new_k), k)
+    got_k, got_v = write(k, v, jnp.int32(1), new_k, new_v, table, start)
+    np.testing.assert_array_equal(np.asarray(got_k), want_k)
+    np.testing.assert_array_equal(np.asarray(got_v), want_v)
+    hlo = jax.jit(lambda kp, vp, *a: kvlib.write_layer(kp, vp, *a, page_size=8), donate_argnums=(0, 1)).lower(
+        want_k, want_v, jnp.int32(1), new_k, new_v, table, start).compile().as_text()
+    assert "specjax_kv_write" in hlo and " copy(" not in hlo  # the pools are updated where they are
+
+
+def test_kv_write_under_vmap_takes_xla_path(rng):
+    cases = [_case(np.random.default_rng(i), 16, 1, 1, rows=1, pages=2, page=4, layers=2) for i in range(3)]
+    k, v, table = (jnp.stack([c[i] for c in cases]) for i in (0, 1, 2))
+    new = jnp.asarray(rng.standard_normal((3, 1, 3, 1, 16)), jnp.float32)
+    start = jnp.asarray([[0], [3], [6]], jnp.int32)
+    got_k, got_v = jax.vmap(lambda kp, vp, n, t, s: kvlib.write_layer(kp, vp, jnp.int32(0), n, -n, t, s, page_size=4))(
+        k, v, new, table, start)
+    for i in range(3):
+        args = (0, np.asarray(new[i]), np.asarray(table[i]), np.asarray(start[i]))
+        np.testing.assert_array_equal(np.asarray(got_k[i]), _numpy_write(k[i], *args))
+        np.testing.assert_array_equal(np.asarray(got_v[i]), _numpy_write(v[i], 0, -args[1], *args[2:]))

@@ -28,31 +28,39 @@ namespace {
 using specjax::Exp;
 using specjax::Fma;
 using specjax::Lanes;
+using specjax::Lanes4;
 using specjax::Load;
 using specjax::ParallelFor;
 using specjax::Store;
 using specjax::V8;
 
-// One (row, kv head): its T*G queries against the n slots in `seen` (slot indices, in
-// slot order), keys and values at kb / vb + slot * E. NV = E / 8 is a template argument
-// so a query and an output row live in registers while the slots stream past.
+constexpr int64_t kSlotBlock = 32;  // slots whose keys (or values) stay in L1 for all queries
+
+// The R = T * G queries of one (row, kv head) against the n slots in `seen` (the slots the
+// row's last position may see, in slot order), keys and values at kb / vb + slot * E; q_at
+// and out_at give query r's vectors, pos[r / G] its position. Slots are taken in blocks
+// that stay in L1 while every query passes over them, so keys and values are read from
+// memory once per call rather than once per query. NV = E / 8 is a template argument.
+//
+// Exactness: a query's scores are each one fixed chain; its softmax runs over the scores
+// of the slots its own position sees (compacted, in slot order), which is the list it
+// would have alone; slots it does not see get weight exactly 0 and add exactly nothing
+// to its output. So every query gets the same bits whatever T is.
 template <int NV>
-void Head(const float* qp, const float* kb, const float* vb, const int32_t* sp_row, const int32_t* pos_row,
-          const std::vector<int32_t>& seen, int64_t T, int64_t G, int64_t H, int64_t kh, float scale,
-          float* scores, int64_t S, float* out) {
+void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, const int32_t* sp_row,
+          const float* kb, const float* vb, const int32_t* seen, int64_t n, int64_t R, int64_t G, float scale,
+          float* scores, float* weights, V8* accs) {
   constexpr int64_t E = 8 * NV;
-  const int64_t n = static_cast<int64_t>(seen.size());
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = t * G + g;
-      const float* qr = qp + (t * H + kh * G + g) * E;
+  for (int64_t j0 = 0; j0 < n; j0 += kSlotBlock) {
+    const int64_t j1 = j0 + kSlotBlock < n ? j0 + kSlotBlock : n;
+    for (int64_t r = 0; r < R; ++r) {
       V8 qv[NV];
-      for (int i = 0; i < NV; ++i) qv[i] = Load(qr + 8 * i);
-      float* row = scores + r * S;
+      for (int i = 0; i < NV; ++i) qv[i] = Load(q_at[r] + 8 * i);
+      float* row = scores + r * n;
       // Four slots at a time: four independent FMA chains (one chain per score is
-      // latency-bound); each score is still the same chain as if computed alone.
-      int64_t j = 0;
-      for (; j + 4 <= n; j += 4) {
+      // latency-bound) and one horizontal reduction for the four.
+      int64_t j = j0;
+      for (; j + 4 <= j1; j += 4) {
         const float* k0 = kb + static_cast<int64_t>(seen[j]) * E;
         const float* k1 = kb + static_cast<int64_t>(seen[j + 1]) * E;
         const float* k2 = kb + static_cast<int64_t>(seen[j + 2]) * E;
@@ -64,48 +72,61 @@ void Head(const float* qp, const float* kb, const float* vb, const int32_t* sp_r
           a2 = Fma(qv[i], Load(k2 + 8 * i), a2);
           a3 = Fma(qv[i], Load(k3 + 8 * i), a3);
         }
-        row[j] = Lanes(a0) * scale;
-        row[j + 1] = Lanes(a1) * scale;
-        row[j + 2] = Lanes(a2) * scale;
-        row[j + 3] = Lanes(a3) * scale;
+        Lanes4(a0, a1, a2, a3, row + j);
       }
-      for (; j < n; ++j) {
+      for (; j < j1; ++j) {
         const float* key = kb + static_cast<int64_t>(seen[j]) * E;
         V8 acc = qv[0] * Load(key);
         for (int i = 1; i < NV; ++i) acc = Fma(qv[i], Load(key + 8 * i), acc);
-        row[j] = Lanes(acc) * scale;
+        row[j] = Lanes(acc);
       }
-      float m = -INFINITY;
-      for (j = 0; j < n; ++j) {
-        if (sp_row[seen[j]] > pos_row[t]) row[j] = -INFINITY;
-        m = row[j] > m ? row[j] : m;
-      }
-      // Every score goes through the same vector exp (the tail padded with -inf) and is
-      // summed in slot order, so a query's weights do not depend on which other queries
-      // share the call.
-      for (int64_t j = 0; j < n; j += 8) {
-        const int64_t w = n - j < 8 ? n - j : 8;
-        V8 chunk = V8{} - INFINITY;
-        std::memcpy(&chunk, row + j, sizeof(float) * w);
-        const V8 p = m == -INFINITY ? V8{} : Exp(chunk - m);
-        std::memcpy(row + j, &p, sizeof(float) * w);
-      }
-      float sum = 0.0f;
-      for (int64_t j = 0; j < n; ++j) sum += row[j];
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-      V8 acc[NV];
-      for (int i = 0; i < NV; ++i) acc[i] = V8{};
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = row[j];
-        if (p == 0.0f) continue;
-        const float* val = vb + static_cast<int64_t>(seen[j]) * E;
-        const V8 pv = V8{} + p;
-        for (int i = 0; i < NV; ++i) acc[i] = Fma(pv, Load(val + 8 * i), acc[i]);
-      }
-      float* dst = out + (t * H + kh * G + g) * E;
-      for (int i = 0; i < NV; ++i) Store(dst + 8 * i, acc[i] * inv);
     }
   }
+  std::vector<float> own(n);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = scores + r * n;
+    float* wrow = weights + r * n;
+    const int32_t p = pos[r / G];
+    int64_t c = 0;  // the scores this query's position sees, in slot order
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      if (sp_row[seen[j]] > p) continue;
+      own[c] = row[j] * scale;
+      m = own[c] > m ? own[c] : m;
+      ++c;
+    }
+    // exp of every score through the same vector code (the tail padded with -inf, whose
+    // weight is exactly 0), summed in eight lanes in list order.
+    V8 sums{};
+    for (int64_t j = 0; j < c; j += 8) {
+      const int64_t w = c - j < 8 ? c - j : 8;
+      V8 chunk = V8{} - INFINITY;
+      std::memcpy(&chunk, own.data() + j, sizeof(float) * w);
+      const V8 e = Exp(chunk - m);
+      std::memcpy(own.data() + j, &e, sizeof(float) * w);
+      sums += e;
+    }
+    const float sum = Lanes(sums);
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int64_t j = 0, k = 0; j < n; ++j) wrow[j] = sp_row[seen[j]] > p ? 0.0f : own[k++] * inv;
+    for (int i = 0; i < NV; ++i) accs[r * NV + i] = V8{};
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += kSlotBlock) {
+    const int64_t j1 = j0 + kSlotBlock < n ? j0 + kSlotBlock : n;
+    for (int64_t r = 0; r < R; ++r) {
+      const float* wrow = weights + r * n;
+      V8 acc[NV];
+      for (int i = 0; i < NV; ++i) acc[i] = accs[r * NV + i];
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* val = vb + static_cast<int64_t>(seen[j]) * E;
+        const V8 pv = V8{} + wrow[j];
+        for (int i = 0; i < NV; ++i) acc[i] = Fma(pv, Load(val + 8 * i), acc[i]);
+      }
+      for (int i = 0; i < NV; ++i) accs[r * NV + i] = acc[i];
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) Store(out_at[r] + 8 * i, accs[r * NV + i]);
 }
 
 using HeadFn = decltype(&Head<8>);
@@ -143,7 +164,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int32_t* sp = slot_pos.typed_data();
   const int32_t* pos = q_pos.typed_data();
 
-  // Per row: the slots some query of the row may see, in slot order.
+  // Per row: the slots its last position may see, in slot order.
   std::vector<std::vector<int32_t>> seen(B);
   for (int64_t b = 0; b < B; ++b) {
     int32_t max_pos = std::numeric_limits<int32_t>::min();
@@ -151,13 +172,25 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     for (int64_t s = 0; s < S; ++s)
       if (sp[b * S + s] <= max_pos) seen[b].push_back(static_cast<int32_t>(s));
   }
+  const int64_t R = T * G;
   ParallelFor(pool, B * K, [&](int64_t u) {
-    const int64_t b = u / K, kh = u % K;
-    thread_local std::vector<float> scores;
-    scores.resize(T * G * S);
-    head(q.typed_data() + b * T * H * E, k.typed_data() + (l * K + kh) * S * E,
-         v.typed_data() + (l * K + kh) * S * E, sp + b * S, pos + b * T, seen[b], T, G, H, kh, scale,
-         scores.data(), S, out->typed_data() + b * T * H * E);
+    const int64_t b = u / K, kh = u % K, n = static_cast<int64_t>(seen[b].size());
+    thread_local std::vector<float> scratch;
+    thread_local std::vector<V8> accs;
+    thread_local std::vector<const float*> q_at;
+    thread_local std::vector<float*> out_at;
+    scratch.resize(2 * R * n);
+    accs.resize(R * (E / 8));
+    q_at.resize(R);
+    out_at.resize(R);
+    for (int64_t r = 0; r < R; ++r) {  // q and out [B, T, H, E] at (b, t, kh * G + g)
+      const int64_t at = ((b * T + r / G) * H + kh * G + r % G) * E;
+      q_at[r] = q.typed_data() + at;
+      out_at[r] = out->typed_data() + at;
+    }
+    head(q_at.data(), out_at.data(), pos + b * T, sp + b * S, k.typed_data() + (l * K + kh) * S * E,
+         v.typed_data() + (l * K + kh) * S * E, seen[b].data(), n, R, G, scale, scratch.data(),
+         scratch.data() + R * n, accs.data());
   });
   return ffi::Error::Success();
 }

@@ -1,0 +1,81 @@
+// Store one layer's new keys and values in the paged pools, in place (an XLA FFI handler
+// whose results alias the pools).
+//
+// XLA writes them as one dynamic_update_slice per token inside a while loop per pool and
+// layer, ~3 us an iteration: 0.4-0.5 ms of a verify step of 8 tokens on the S config
+// (docs/performance.md, seventh pass). Here it is one call per layer, a row copy per token.
+//
+// Shapes (letters of specjax/kv.py): pools [L, K, P, Z, E]; layer []; k, v [B, T, K, E];
+// page_table [B, Pr]; start [B]. Token t of row b goes to position start[b] + t, i.e. page
+// page_table[b, pos / Z], offset pos % Z; positions past the row's Pr * Z slots are dropped.
+
+#include <cstdint>
+#include <cstring>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+template <typename A, typename B>
+bool SameShape(const A& a, const B& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) return false;
+  return true;
+}
+
+ffi::Error KvWriteImpl(ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool, ffi::Buffer<ffi::S32> layer,
+                       ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> page_table,
+                       ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> k_out,
+                       ffi::ResultBuffer<ffi::F32> v_out) {
+  auto pd = k_pool.dimensions();
+  auto nd = k.dimensions();
+  auto td = page_table.dimensions();
+  if (pd.size() != 5 || nd.size() != 4 || td.size() != 2 || !SameShape(v_pool.dimensions(), pd) ||
+      !SameShape(v.dimensions(), nd))
+    return ffi::Error::InvalidArgument("kv_write: expected pools [L,K,P,Z,E], k and v [B,T,K,E], page_table [B,Pr]");
+  const int64_t L = pd[0], K = pd[1], P = pd[2], Z = pd[3], E = pd[4];
+  const int64_t B = nd[0], T = nd[1], Pr = td[1];
+  if (nd[2] != K || nd[3] != E || td[0] != B || start.element_count() != B)
+    return ffi::Error::InvalidArgument("kv_write: inconsistent shapes");
+  const int32_t l = layer.typed_data()[0];
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("kv_write: layer out of range");
+  float* kp = k_out->typed_data();
+  float* vp = v_out->typed_data();
+  // The results alias the pools (input_output_aliases); should XLA ever hand over fresh
+  // buffers, they start as copies of the pools.
+  if (kp != k_pool.typed_data()) std::memcpy(kp, k_pool.typed_data(), sizeof(float) * k_pool.element_count());
+  if (vp != v_pool.typed_data()) std::memcpy(vp, v_pool.typed_data(), sizeof(float) * v_pool.element_count());
+  const int32_t* table = page_table.typed_data();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t pos = static_cast<int64_t>(start.typed_data()[b]) + t;
+      if (pos < 0 || pos >= Pr * Z) continue;
+      const int64_t page = table[b * Pr + pos / Z];
+      if (page < 0 || page >= P) return ffi::Error::InvalidArgument("kv_write: page out of range");
+      for (int64_t kh = 0; kh < K; ++kh) {
+        const int64_t at = (((l * K + kh) * P + page) * Z + pos % Z) * E;
+        const int64_t from = ((b * T + t) * K + kh) * E;
+        std::memcpy(kp + at, k.typed_data() + from, sizeof(float) * E);
+        std::memcpy(vp + at, v.typed_data() + from, sizeof(float) * E);
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxKvWrite, KvWriteImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
