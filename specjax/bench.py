@@ -224,7 +224,7 @@ def measure_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
     return 2 * nbytes / statistics.median(times[1:]) / 1e9
 
 
-def step_profile(model: Model, ts: tuple[int, ...], context: int = 512, rounds: int = 7) -> dict[str, Any]:
+def step_profile(model: Model, ts: tuple[int, ...], context: int = 512, rounds: int = 11) -> dict[str, Any]:
     """Verify-step time for each T (round-robin, median of per-round ratios to T=1), and
     against the weight-bytes / bandwidth floor (median of per-round ratios, the bandwidth
     measured in each round): the T=1 step called alone (dispatch and result included) and

@@ -76,6 +76,19 @@ def test_prefix_fraction_counts_up_to_the_first_mistake():
     assert prefix_fraction("", "abc") == 0.0
 
 
+def test_line_match_counts_lines_in_place_and_text_similarity():
+    from train.evaluate import line_match
+
+    want = "class Spam:\n    x = 1\n    y = 2\n"
+    assert line_match(want, want) == (1.0, 1.0)
+    assert line_match(want + "extra = 3\n", want) == (1.0, 1.0)  # lines past the snippet are not judged
+    share, ratio = line_match("class Spam:\n    x = 9\n    y = 2\n", want)
+    assert share == 2 / 3 and 0.9 < ratio < 1.0
+    share, ratio = line_match("    x = 1\n    y = 2\n", want)  # the first line lost: nothing in place
+    assert share == 0.0 and 0.6 < ratio < 0.9
+    assert line_match("", want) == (0.0, 0.0)
+
+
 def test_teacher_forced_hits_match_transformers_and_split_on_the_new_name():
     """Hits re-derived with transformers' forward, the new-name tokens found by decoding
     prefixes of the reply (not from the tokenizer's offsets)."""

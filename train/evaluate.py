@@ -7,6 +7,7 @@ a JSON report (the numbers in checkpoints/README.md come from it).
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import re
@@ -42,6 +43,17 @@ def prefix_fraction(got: str, want: str) -> float:
     return same / len(want) if want else 1.0
 
 
+def line_match(got: str, want: str) -> tuple[float, float]:
+    """Lenient measures of a reply against the expected snippet: the share of its lines
+    reproduced exactly at their place, and difflib's similarity ratio of the text (the
+    reply cut to as many lines as the snippet has)."""
+    want_lines = want.splitlines()
+    got_lines = got.splitlines()[:len(want_lines)]
+    same = sum(a == b for a, b in zip(got_lines, want_lines))
+    ratio = difflib.SequenceMatcher(None, "\n".join(got_lines), "\n".join(want_lines), autojunk=False).ratio()
+    return same / max(len(want_lines), 1), ratio
+
+
 def teacher_forced_hits(model: specjax.Model, prompt: Prompt) -> dict:
     """Greedy next-token hits on the reply of an edit prompt given the true reply so far,
     split into tokens that touch the new name and the rest (the copied snippet): whether
@@ -60,10 +72,11 @@ def teacher_forced_hits(model: specjax.Model, prompt: Prompt) -> dict:
 
 def rename_accuracy(model: specjax.Model, n: int, prompt_tokens: int = 300) -> dict:
     """Held-out rename edits: the fraction whose greedy reply is exactly the renamed snippet,
-    the mean share of the snippet reproduced before the first mistake, and teacher-forced
+    the mean share of the snippet reproduced before the first mistake, of its lines
+    reproduced in place and the text similarity (:func:`line_match`), and teacher-forced
     token accuracy on the copied and on the renamed tokens (:func:`teacher_forced_hits`)."""
     tok = model.tokenizer
-    right, prefix = 0, 0.0
+    right, prefix, lines, similar = 0, 0.0, 0.0, 0.0
     hits = {"copy": [0, 0], "rename": [0, 0]}
     for p in edit_prompts(tok, n, prompt_tokens, seed=1):
         for kind, (h, total) in teacher_forced_hits(model, p).items():
@@ -76,7 +89,11 @@ def rename_accuracy(model: specjax.Model, n: int, prompt_tokens: int = 300) -> d
         got = tok.decode(out.tokens)
         right += got.startswith(p.answer)
         prefix += prefix_fraction(got, p.answer)
+        line_share, ratio = line_match(got, p.answer)
+        lines += line_share
+        similar += ratio
     return {"edits": n, "exact": right, "accuracy": right / n, "mean_prefix_right": prefix / n,
+            "mean_lines_right": lines / n, "mean_similarity": similar / n,
             **{f"{kind}_token_accuracy": h / max(total, 1) for kind, (h, total) in hits.items()}}
 
 
