@@ -49,7 +49,7 @@ constexpr int64_t kSlotBlock = 32;  // slots whose keys (or values) stay in L1 f
 template <int NV>
 void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, const int32_t* sp_row,
           const float* kb, const float* vb, const int32_t* seen, int64_t n, int64_t R, int64_t G, float scale,
-          float* scores, float* weights, V8* accs) {
+          float* scores, float* weights, float* own, V8* accs) {
   constexpr int64_t E = 8 * NV;
   for (int64_t j0 = 0; j0 < n; j0 += kSlotBlock) {
     const int64_t j1 = j0 + kSlotBlock < n ? j0 + kSlotBlock : n;
@@ -82,7 +82,6 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
       }
     }
   }
-  std::vector<float> own(n);
   for (int64_t r = 0; r < R; ++r) {
     const float* row = scores + r * n;
     float* wrow = weights + r * n;
@@ -101,9 +100,9 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
     for (int64_t j = 0; j < c; j += 8) {
       const int64_t w = c - j < 8 ? c - j : 8;
       V8 chunk = V8{} - INFINITY;
-      std::memcpy(&chunk, own.data() + j, sizeof(float) * w);
+      std::memcpy(&chunk, own + j, sizeof(float) * w);
       const V8 e = Exp(chunk - m);
-      std::memcpy(own.data() + j, &e, sizeof(float) * w);
+      std::memcpy(own + j, &e, sizeof(float) * w);
       sums += e;
     }
     const float sum = Lanes(sums);
@@ -179,7 +178,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     thread_local std::vector<V8> accs;
     thread_local std::vector<const float*> q_at;
     thread_local std::vector<float*> out_at;
-    scratch.resize(2 * R * n);
+    scratch.resize((2 * R + 1) * n);  // scores, weights, one query's compacted scores
     accs.resize(R * (E / 8));
     q_at.resize(R);
     out_at.resize(R);
@@ -190,7 +189,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     }
     head(q_at.data(), out_at.data(), pos + b * T, sp + b * S, k.typed_data() + (l * K + kh) * S * E,
          v.typed_data() + (l * K + kh) * S * E, seen[b].data(), n, R, G, scale, scratch.data(),
-         scratch.data() + R * n, accs.data());
+         scratch.data() + R * n, scratch.data() + 2 * R * n, accs.data());
   });
   return ffi::Error::Success();
 }

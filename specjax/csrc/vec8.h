@@ -68,7 +68,7 @@ inline float Lanes(V8 a) {
 
 // Lanes of four vectors at once, bitwise equal to Lanes of each (out[i] = Lanes(v[i])): the
 // halves' sums are (a0+a4, a1+a5, a2+a6, a3+a7), and two rounds of pairwise adds finish
-// the same tree. The per-score scalar reduction was most of the attention kernel's work.
+// the same tree, in 7 vector ops instead of ~20 scalar ones per output.
 inline void Lanes4(V8 a, V8 b, V8 c, V8 d, float* out) {
 #if defined(__AVX__)
   auto half = [](V8 v) { return _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1)); };
