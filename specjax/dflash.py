@@ -43,7 +43,7 @@ from . import sampling as smp
 from .checkpoint import LAYERS, CheckpointError, Params
 from .config import ConfigError, Qwen3Config, read_json
 from .model import Model
-from .qwen3 import attend_masked, linear, rms_norm, rope, unembed
+from .qwen3 import attend_masked, linear, mlp, rms_norm, rope, unembed
 from .sampling import Sampling
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -340,10 +340,7 @@ def _block_pass(params: Params, cfg: DFlashConfig, x: jax.Array, q_pos: jax.Arra
         keys = jnp.concatenate([ctx_k[i][None].astype(dtype), bk.transpose(0, 2, 1, 3)], axis=2)  # [1, K, S+Q, E]
         values = jnp.concatenate([ctx_v[i][None].astype(dtype), bv.reshape(1, q_len, nk, hd).transpose(0, 2, 1, 3)],
                                  axis=2)
-        x = x + linear(attend_masked(q, keys, values, mask[None])[0], lp["self_attn.o_proj.weight"])
-        h = rms_norm(x, lp["post_attention_layernorm.weight"], eps)
-        gate, up = jnp.split(linear(h, lp["mlp.gate_up_proj.weight"]), 2, axis=-1)
-        x = x + linear(jax.nn.silu(gate) * up, lp["mlp.down_proj.weight"])
+        x = mlp(lp, x + linear(attend_masked(q, keys, values, mask[None])[0], lp["self_attn.o_proj.weight"]), eps)
     return rms_norm(x, params["norm.weight"], eps)
 
 

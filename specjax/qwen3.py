@@ -37,6 +37,13 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     return y if b is None else y + b
 
 
+def mlp(lp: Params, x: jax.Array, eps: float) -> jax.Array:
+    """The residual stream after a decoder layer's SwiGLU MLP (post-attention norm included)."""
+    h = rms_norm(x, lp["post_attention_layernorm.weight"], eps)
+    gate, up = jnp.split(linear(h, lp["mlp.gate_up_proj.weight"]), 2, axis=-1)
+    return x + linear(jax.nn.silu(gate) * up, lp["mlp.down_proj.weight"])
+
+
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotary embedding (rotate-half convention) of x [B, T, N, E] at positions [B, T]."""
     e = x.shape[-1]
@@ -122,10 +129,7 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
             attn = _attend_layer(q, k_pool, v_pool, layer, slot_pos, positions)
         cache = (k_pool, v_pool, page_table, page_size, slot_pos)
     x = x + linear(attn, lp["self_attn.o_proj.weight"], lp.get("self_attn.o_proj.bias"))
-    h = rms_norm(x, lp["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    gate, up = jnp.split(linear(h, lp["mlp.gate_up_proj.weight"]), 2, axis=-1)
-    x = x + linear(jax.nn.silu(gate) * up, lp["mlp.down_proj.weight"])
-    return x, cache
+    return mlp(lp, x, cfg.rms_norm_eps), cache
 
 
 def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Array,
