@@ -65,7 +65,7 @@ class DataConfig:
     temperature: float = 0.6
     top_k: int = 20
     top_p: float = 0.95
-    gen_batch: int = 32      # prompts decoded together (a batched step amortises the weight reads)
+    gen_batch: int = 16      # prompts decoded together over one cache (the CPU kernels take 16 rows)
     shard_size: int = 64
     data_seed: int = 0
 
@@ -184,8 +184,9 @@ def replies(target: specjax.Model, prompts: np.ndarray, n_new: int, sampling: Sa
     """The target's next `n_new` tokens [B, n_new] after each prompt row [B, P], all rows at once.
 
     Row b draws its tokens with the position keys of `specjax.generate(..., seed=seeds[b])`,
-    so it is that call's output (up to float rounding of the batched matmuls), continued
-    past any eos. Rows of a final short batch are padded to a power of two (few compiles).
+    so it is that call's output (up to float rounding of the prefill, and of the decode
+    steps where the CPU kernels do not apply), continued past any eos. Rows of a final
+    short batch are padded to a power of two (few compiles).
     """
     b, p = prompts.shape
     width = 1 << (b - 1).bit_length()
@@ -198,32 +199,41 @@ def replies(target: specjax.Model, prompts: np.ndarray, n_new: int, sampling: Sa
 @functools.partial(jax.jit, static_argnames=("cfg", "n_new", "sampling"))
 def _decode(params: Params, cfg: Qwen3Config, prompts: jax.Array, seeds: jax.Array, n_new: int,
             sampling: Sampling) -> jax.Array:
-    """Prefill each prompt row [B, P], then n_new decode steps in one scan; tokens [B, n_new].
+    """Prefill each prompt row [B, P], then n_new decode steps of all rows in one scan; tokens [B, n_new].
 
-    Rows are vmapped batch-1 decodes, each over its own cache: one cache of B rows would
-    have every row attend over the whole shared pool (qwen3.attend_pool), whose cost grows
-    as B^2 (measured here: 8 rows 10x slower per step than the vmapped form)."""
-    p = prompts.shape[1]
+    Prompts are prefilled row by row (vmapped, each over its own cache: one prefill of B rows
+    would attend over the whole shared pool, qwen3.attend_pool, at B^2 the cost); their
+    caches are then laid side by side as one B-row cache (kv.init's layout), so each decode
+    step is one batched step, where the CPU kernels read the weights once for all rows and
+    give each row the bits of its own batch-1 step (measured: 1.6x the tokens/s of vmapped
+    batch-1 decode steps at 16 rows).
+    """
+    b, p = prompts.shape
     capacity = -(-(p + n_new) // PAGE) * PAGE
+    dtype = params["model.embed_tokens.weight"].dtype
 
-    def row(prompt: jax.Array, seed: jax.Array) -> jax.Array:
-        def pick(h, position):  # the token at `position` after final hidden state h [D]
-            logits = qwen3.unembed(params, cfg, h)[None]
-            return smp.target_tokens(logits, position[None], seed, sampling)[0]
+    def pick(h: jax.Array, position: jax.Array) -> jax.Array:  # tokens [B] at `position` after h [B, D]
+        logits = qwen3.unembed(params, cfg, h)
+        return jax.vmap(lambda row, seed: smp.target_tokens(row[None], position[None], seed, sampling)[0])(
+            logits, seeds)
 
+    def prefill(prompt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         # hidden_states masks keys by position, so the cache needs no lengths here
-        kv = kvlib.init(cfg, 1, capacity, params["model.embed_tokens.weight"].dtype, PAGE)
+        kv = kvlib.init(cfg, 1, capacity, dtype, PAGE)
         h, kv, _ = qwen3.hidden_states(params, cfg, prompt[None], jnp.arange(p)[None], kv)
+        return h[0, -1], kv.k, kv.v
 
-        def step(carry, position):
-            kv, token = carry
-            h, kv, _ = qwen3.hidden_states(params, cfg, token[None, None], position[None, None], kv)
-            return (kv, pick(h[0, 0], position + 1)), token
+    h, k, v = jax.vmap(prefill)(prompts)  # pools [B, L, K, pages, Z, E]
+    side_by_side = lambda pool: pool.transpose(1, 2, 0, 3, 4, 5).reshape(*pool.shape[1:3], -1, *pool.shape[4:])
+    kv = kvlib.init(cfg, b, capacity, dtype, PAGE).replace(k=side_by_side(k), v=side_by_side(v))
 
-        _, tokens = jax.lax.scan(step, (kv, pick(h[0, -1], jnp.int32(p))), p + jnp.arange(n_new))
-        return tokens
+    def step(carry, position):
+        kv, tokens = carry
+        h, kv, _ = qwen3.hidden_states(params, cfg, tokens[:, None], jnp.full((b, 1), position), kv)
+        return (kv, pick(h[:, 0], position + 1)), tokens
 
-    return jax.vmap(row)(prompts, seeds)
+    _, tokens = jax.lax.scan(step, (kv, pick(h, jnp.int32(p))), p + jnp.arange(n_new))
+    return tokens.T
 
 
 def reply_lengths(seqs: np.ndarray, prompt_len: int, eos_ids: tuple[int, ...]) -> np.ndarray:
