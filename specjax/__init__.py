@@ -17,6 +17,7 @@ _EXPORTS = {
     "load_dflash": "dflash",
     "Qwen3Config": "config",
     "Adaptive": "adaptive",
+    "shard": "sharding",
 }
 
 __all__ = sorted(_EXPORTS)

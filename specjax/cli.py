@@ -67,6 +67,8 @@ def _add_generate(sub) -> None:
                       help="sample draft-model / DFlash tokens (general acceptance rule)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the short warm-up generation that compiles the steps before the timed run")
+    p.add_argument("--devices", type=_positive, default=1, metavar="N",
+                   help="split the target's weights tensor-parallel over the first N local devices")
     p.add_argument("--no-speculate", action="store_true",
                    help="plain decoding (default without proposer flags: prompt lookup with k chosen per "
                         "step, and off CPU also the model's shipped -draft / -dflash siblings)")
@@ -195,6 +197,14 @@ def _generate(args) -> int:
 
     folder = args.model or default_model()
     model = load(folder)
+    if args.devices > 1:
+        import jax
+
+        from .sharding import make_mesh, shard
+        devices = jax.local_devices()
+        if args.devices > len(devices):
+            raise UsageError(f"--devices {args.devices}: only {len(devices)} local device(s)")
+        model = shard(model, make_mesh(devices[:args.devices]))
     if model.tokenizer is None:
         raise UsageError(f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
@@ -226,13 +236,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .loop import GenerationError
     from .proposers import ProposerError
     from .sampling import SamplingError
+    from .sharding import ShardingError
 
     try:
         if args.command == "generate":
             return _generate(args)
         if args.command == "bench":
             return _bench(args)
-    except (CheckpointError, ConfigError, GenerationError, ProposerError, SamplingError, UsageError) as e:
+    except (CheckpointError, ConfigError, GenerationError, ProposerError, SamplingError, ShardingError,
+            UsageError) as e:
         parser.exit(2, f"specjax: error: {e}\n")
     except KeyboardInterrupt:
         return 130

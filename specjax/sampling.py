@@ -83,8 +83,10 @@ def transform(logits: jax.Array, s: Sampling) -> jax.Array:
         return jax.nn.log_softmax(_top_p_min_p(x, s), axis=-1)
     # [..., k], descending. The barrier keeps XLA from folding the slices below into the
     # top-k's own, which turns its TopK call back into a full sort of every row (XLA:CPU:
-    # 16 rows of 8192 went from ~40 ms to ~1 ms).
-    vals, idx = jax.lax.optimization_barrier(jax.lax.top_k(x, s.top_k))
+    # 16 rows of 8192 went from ~40 ms to ~1 ms). It holds the values alone: a barrier
+    # over the (values, indices) pair crashes XLA's SPMD partitioner (sharded targets).
+    vals, idx = jax.lax.top_k(x, s.top_k)
+    vals = jax.lax.optimization_barrier(vals)
     kth = vals[..., -1:]
 
     def candidates_only(_):
@@ -125,7 +127,8 @@ def target_tokens(logits: jax.Array, positions: jax.Array, seed: jax.Array, s: S
     # same distribution with k noise values instead of V. The choice is made per row, so
     # a row's token does not depend on the other rows of a verify step (exactness: a
     # decode step sees that row alone). Barrier: see transform.
-    vals, idx = jax.lax.optimization_barrier(jax.lax.top_k(x, s.top_k))
+    vals, idx = jax.lax.top_k(x, s.top_k)
+    vals = jax.lax.optimization_barrier(vals)
     ties = jnp.sum(x >= vals[..., -1:], axis=-1) > s.top_k  # [T]
 
     def candidates(_):

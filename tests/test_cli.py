@@ -35,6 +35,7 @@ def test_generate_streams_and_speculation_changes_nothing(folder, capsys):
     (["generate", "--prompt", "x", "--top-p", "0"], "top_p"),
     (["generate", "--prompt", "x", "--speculate", "99"], "k must be"),
     (["generate", "--prompt-file", "/nonexistent.txt"], "no such file"),
+    (["generate", "--prompt", "x", "--devices", "64"], "local device(s)"),
 ])
 def test_bad_input_exits_2(argv, match, capsys, folder):
     if "--model" not in argv:

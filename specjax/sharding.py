@@ -1,0 +1,83 @@
+"""Tensor-parallel placement of a target's weights over a device mesh (JAX SPMD).
+
+`shard(model)` places each weight with a `NamedSharding` in the Megatron pattern: the
+fused q/k/v and gate/up projections split by output rows, the o and down projections by
+input columns (their products are summed across devices), the embedding (and the
+untied head) by vocabulary rows, norms replicated. Nothing else changes: the compiled
+steps are the same functions, and XLA's SPMD partitioner derives the collectives and the
+placement of everything the steps create (KV pools, logits, drafter state), so every
+proposer runs unchanged on a sharded target.
+
+Exactness holds within one placement (speculative == plain, the tests check it); against
+an unsharded run the cross-device sums change float rounding, so logits agree to float32
+tolerance, not bit for bit. The fused q/k/v rows are split as one block, not per head, so
+XLA reshards them for attention; a head-aligned layout would avoid that exchange.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .checkpoint import LAYERS, Params
+from .model import Model
+
+AXIS = "tp"
+
+# weight name suffix -> the dimension split across the mesh axis (None: replicated)
+SPLIT_DIM = {
+    "self_attn.qkv_proj.weight": 0, "self_attn.qkv_proj.bias": 0, "mlp.gate_up_proj.weight": 0,
+    "self_attn.o_proj.weight": 1, "mlp.down_proj.weight": 1,
+    "model.embed_tokens.weight": 0, "lm_head.weight": 0,
+}
+
+
+class ShardingError(ValueError):
+    """A weight that cannot be split evenly over the requested devices."""
+
+
+def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = AXIS) -> Mesh:
+    """A one-axis mesh over `devices` (default: all local devices)."""
+    return Mesh(np.array(list(devices if devices is not None else jax.local_devices())), (axis,))
+
+
+def spec_for(name: str, shape: tuple[int, ...], n_devices: int, axis: str = AXIS) -> PartitionSpec:
+    """The PartitionSpec of weight `name` (an HF name, or a layer's name within the layer)."""
+    dim = next((d for suffix, d in SPLIT_DIM.items() if name.endswith(suffix)), None)
+    if dim is None:
+        return PartitionSpec()
+    if shape[dim] % n_devices:
+        raise ShardingError(f"weight {name!r} {tuple(shape)}: dimension {dim} ({shape[dim]}) does not split "
+                            f"evenly over {n_devices} devices")
+    return PartitionSpec(*([None] * dim), axis)
+
+
+def shard_params(params: Params, mesh: Mesh, axis: str = AXIS) -> Params:
+    """The parameter tree (inference layout) placed over `mesh` by spec_for."""
+    n = mesh.shape[axis]
+
+    def put(name: str, leaf: Any) -> jax.Array:
+        return jax.device_put(leaf, NamedSharding(mesh, spec_for(name, leaf.shape, n, axis)))
+
+    out: Params = {}
+    for key, value in params.items():
+        if key == LAYERS:
+            if not isinstance(value, tuple):
+                raise ShardingError("shard_params needs the inference layout (checkpoint.unstack)")
+            out[key] = tuple({name: put(f"{LAYERS}.{i}.{name}", w) for name, w in layer.items()}
+                             for i, layer in enumerate(value))
+        else:
+            out[key] = put(key, value)
+    return out
+
+
+def shard(model: Model, mesh: Mesh | None = None, axis: str = AXIS) -> Model:
+    """The model with its weights split tensor-parallel over `mesh` (default: every local
+    device); generate, the proposers and the bench take it as they take any model."""
+    mesh = mesh if mesh is not None else make_mesh(axis=axis)
+    return dataclasses.replace(model, params=shard_params(model.params, mesh, axis))

@@ -1,0 +1,116 @@
+"""Tensor-parallel sharding (specjax.sharding) on four simulated CPU devices.
+
+XLA's device count is fixed when jax starts, so the checks run in a child process started
+with --xla_force_host_platform_device_count=4 and report back as JSON.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CHILD = textwrap.dedent("""
+    import json, sys
+    import numpy as np, jax, jax.numpy as jnp
+    import specjax
+    from specjax import checkpoint, dflash, qwen3, sharding
+    from specjax.config import Qwen3Config
+    from specjax.model import Model
+    from specjax.proposers import DFlashProposer, NgramProposer
+
+    seed = int(sys.argv[1])
+    rng = np.random.default_rng(seed)
+    cfg = Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    params = checkpoint.unstack(checkpoint.init_params(cfg, jax.random.key(seed), std=0.3))
+    model = Model(cfg, params, jnp.float32)
+    ids = rng.integers(0, 96, 24)
+    # a prompt that repeats itself gives n-gram drafts something to accept
+    ids = np.concatenate([ids, ids[:12]])
+    tokens, positions = jnp.asarray(ids)[None], jnp.arange(len(ids))[None]
+    forward = jax.jit(lambda p: qwen3.forward(p, cfg, tokens, positions)[0])
+    want = np.asarray(forward(params))
+    drafter = dflash.init(cfg, jax.random.key(seed + 1), num_layers=1, block_size=4, target_layer_ids=(0, 2), std=0.3)
+    out = {"devices": len(jax.devices()), "meshes": {}}
+    for n in (2, 4):
+        sm = sharding.shard(model, sharding.make_mesh(jax.devices()[:n]))
+        placed = {}
+        for name, leaf in [("lm_head.weight", sm.params["lm_head.weight"]),
+                           ("model.norm.weight", sm.params["model.norm.weight"])] + [
+                (k, v) for k, v in sm.params[checkpoint.LAYERS][1].items()]:
+            placed[name] = {"spec": [a for a in leaf.sharding.spec], "full": list(leaf.shape),
+                            "local": list(leaf.addressable_shards[0].data.shape), "n_shards": len(leaf.addressable_shards)}
+        got = np.asarray(forward(sm.params))
+        plain = specjax.generate(sm, ids, max_new_tokens=20).tokens
+        runs = {"ngram": specjax.generate(sm, ids, max_new_tokens=20, speculative=NgramProposer(k=4)).tokens,
+                "dflash": specjax.generate(sm, ids, max_new_tokens=20, speculative=DFlashProposer(drafter, k=3)).tokens}
+        sampling = specjax.Sampling(temperature=0.9, top_k=20)
+        sampled = specjax.generate(sm, ids, max_new_tokens=20, sampling=sampling, seed=3).tokens
+        sampled_spec = specjax.generate(sm, ids, max_new_tokens=20, sampling=sampling, seed=3,
+                                        speculative=NgramProposer(k=4)).tokens
+        out["meshes"][n] = {"placed": placed, "max_logit_diff": float(np.abs(got - want).max()),
+                            "logit_scale": float(np.abs(want).max()), "plain": list(map(int, plain)),
+                            "spec": {k: list(map(int, v)) for k, v in runs.items()},
+                            "sampled": list(map(int, sampled)), "sampled_spec": list(map(int, sampled_spec))}
+    try:
+        sharding.shard(model, sharding.make_mesh(jax.devices()[:3]))
+        out["three"] = "no error"
+    except sharding.ShardingError as e:
+        out["three"] = str(e)
+    print("RESULT " + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def sharded(request):
+    seed = int.from_bytes(os.urandom(3), "little")
+    env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4")}
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(seed)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, f"seed {seed}:\n{proc.stderr[-3000:]}"
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return seed, json.loads(line[len("RESULT "):])
+
+
+def test_weights_split_megatron_style(sharded):
+    seed, out = sharded
+    assert out["devices"] == 4
+    for n, mesh in out["meshes"].items():
+        n = int(n)
+        split = {"self_attn.qkv_proj.weight": 0, "mlp.gate_up_proj.weight": 0, "self_attn.o_proj.weight": 1,
+                 "mlp.down_proj.weight": 1, "lm_head.weight": 0}
+        for name, p in mesh["placed"].items():
+            assert p["n_shards"] == n, (seed, name)
+            want = list(p["full"])
+            if name in split:
+                want[split[name]] //= n
+                assert p["spec"][split[name]] == "tp", (seed, name, p)
+            else:  # norms: every device holds all of it
+                assert not any(p["spec"]), (seed, name, p)
+            assert p["local"] == want, (seed, name, p)
+
+
+def test_sharded_logits_match_unsharded(sharded):
+    seed, out = sharded
+    for mesh in out["meshes"].values():
+        assert mesh["max_logit_diff"] <= 1e-5 * max(1.0, mesh["logit_scale"]), (seed, mesh["max_logit_diff"])
+
+
+def test_speculation_is_exact_on_a_sharded_target(sharded):
+    """Within one placement: greedy speculative == plain for n-gram and DFlash drafts, and
+    sampled n-gram speculation == plain sampling with the same seed."""
+    seed, out = sharded
+    for mesh in out["meshes"].values():
+        assert len(mesh["plain"]) == 20
+        for name, tokens in mesh["spec"].items():
+            assert tokens == mesh["plain"], (seed, name)
+        assert mesh["sampled_spec"] == mesh["sampled"], seed
+
+
+def test_uneven_split_is_refused_by_name(sharded):
+    _, out = sharded
+    assert "does not split evenly over 3 devices" in out["three"]
+    assert out["three"].startswith("weight 'model.layers.0.")  # the first weight that cannot split, by name
