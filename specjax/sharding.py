@@ -29,7 +29,7 @@ from .model import Model
 
 AXIS = "tp"
 
-# weight name suffix -> the dimension split across the mesh axis (None: replicated)
+# weight name suffix -> the dimension split across the mesh axis (weights not named: replicated)
 SPLIT_DIM = {
     "self_attn.qkv_proj.weight": 0, "self_attn.qkv_proj.bias": 0, "mlp.gate_up_proj.weight": 0,
     "self_attn.o_proj.weight": 1, "mlp.down_proj.weight": 1,
