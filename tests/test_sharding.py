@@ -65,7 +65,7 @@ CHILD = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def sharded(request):
+def sharded():
     seed = int.from_bytes(os.urandom(3), "little")
     env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4")}
     proc = subprocess.run([sys.executable, "-c", CHILD, str(seed)], capture_output=True, text=True, env=env,
