@@ -123,7 +123,7 @@ def _leaves(proposers: list[Any]) -> list[Any]:
 
 
 def _ours(target: Model, proposer: Any, ids: list[int], n: int, sampling: Sampling, seed: int) -> dict[str, Any]:
-    res = generate(target, ids, max_new_tokens=n, sampling=sampling, seed=seed, speculative=proposer)
+    res = generate(target, ids, max_new_tokens=n, sampling=sampling, seed=seed, speculative=proposer, stop_ids=())
     s = res.stats
     return {"tokens": res.tokens, "tok_s": s.tokens_per_s, "decode_s": s.decode_s, "stats": s.summary()}
 

@@ -18,9 +18,10 @@ HF [out, in] orientation.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -172,17 +173,28 @@ def _weight_files(folder: Path) -> dict[str, Path]:
                 raise CheckpointError(f"{index}: lists shard {f.name}, which is missing")
         return files
     if single.is_file():
-        from safetensors import safe_open
-        with safe_open(single, framework="flax") as f:
+        with _open(single) as f:
             return {name: single for name in f.keys()}
     raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
+@contextlib.contextmanager
+def _open(path: Path, name: str | None = None) -> Iterator[Any]:
+    """safe_open whose failures (truncated file, tensor not where the index says) are a
+    CheckpointError naming the file and tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="flax") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e
+
+
 def read_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]], dtype: Any,
                  optional: Iterable[str] = ()) -> dict[str, jax.Array]:
-    """Read and check the named tensors (shape, presence) from a safetensors folder."""
-    from safetensors import safe_open
-
+    """Read and check the named tensors (shape, presence) from a safetensors folder;
+    tensors named in `optional` are read when present."""
     folder = Path(folder)
     files = _weight_files(folder)
     optional = set(optional)
@@ -195,13 +207,15 @@ def read_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]], dtype
         raise CheckpointError(f"{folder}: unexpected tensor(s) {unexpected[:5]} for this config")
     out = {}
     by_file: dict[Path, list[str]] = {}
-    for name in expected:
+    for name in [*expected, *sorted(optional & set(files))]:
         by_file.setdefault(files[name], []).append(name)
     for path, file_names in by_file.items():
-        with safe_open(path, framework="flax") as f:
+        with _open(path) as f:
             for name in file_names:
+                if name not in f.keys():
+                    raise CheckpointError(f"{path}: does not hold tensor {name}, which the index places there")
                 t = f.get_tensor(name)
-                if tuple(t.shape) != tuple(expected[name]):
+                if name in expected and tuple(t.shape) != tuple(expected[name]):
                     raise CheckpointError(
                         f"{path}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(expected[name])}")
                 if not jnp.issubdtype(t.dtype, jnp.floating):
@@ -211,9 +225,19 @@ def read_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]], dtype
 
 
 def load_params(folder: str | Path, cfg: Qwen3Config, dtype: Any) -> Params:
-    """Load a HF Qwen3 folder's weights into the runtime tree in `dtype`."""
+    """Load a HF Qwen3 folder's weights into the runtime tree in `dtype`.
+
+    With tied embeddings a stored lm_head.weight must equal the embedding: a different one
+    would be silently unused, so it is an error rather than a guess.
+    """
     optional = ["lm_head.weight"] if cfg.tie_word_embeddings else []
-    return from_hf(read_tensors(folder, hf_shapes(cfg), dtype, optional), cfg)
+    tensors = read_tensors(folder, hf_shapes(cfg), dtype, optional)
+    head = tensors.pop("lm_head.weight", None) if cfg.tie_word_embeddings else None
+    if head is not None and not (head.shape == tensors["model.embed_tokens.weight"].shape
+                                 and bool(jnp.array_equal(head, tensors["model.embed_tokens.weight"]))):
+        raise CheckpointError(f"{folder}: lm_head.weight differs from model.embed_tokens.weight, but config.json "
+                              "says tie_word_embeddings=true (set it to false to use the stored head)")
+    return from_hf(tensors, cfg)
 
 
 def write_tensors(folder: str | Path, tensors: dict[str, Any], dtype: str = "bfloat16",

@@ -23,6 +23,41 @@ def read_json(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid JSON ({e})") from e
 
 
+# transformers' Qwen3Config defaults (5.x; 4.5x agree) for fields a config.json may omit.
+HF_DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 10_000.0,
+    "tie_word_embeddings": False, "attention_bias": False, "max_position_embeddings": 32768,
+}
+
+
+def parse_eos(eos: Any, source: str) -> int | tuple[int, ...] | None:
+    """An eos_token_id field (int, list of ints or null) as stored on Qwen3Config."""
+    if isinstance(eos, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+        return tuple(eos)
+    if eos is None or (isinstance(eos, int) and not isinstance(eos, bool)):
+        return eos
+    raise ConfigError(f"{source}: eos_token_id must be an int, a list of ints or null, got {eos!r}")
+
+
+def _rope_theta(raw: dict[str, Any], source: str) -> float:
+    """The RoPE base. Only plain (unscaled) RoPE is run, so a scaling in `rope_scaling` or
+    `rope_parameters` is refused. As in transformers, the rope dict in use is `rope_scaling`
+    when set, else `rope_parameters`; its rope_theta wins over the top-level one."""
+    dicts = {key: raw.get(key) for key in ("rope_scaling", "rope_parameters") if raw.get(key) is not None}
+    for key, rope in dicts.items():
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{source}: {key} must be an object or null, got {rope!r}")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in (None, "default"):
+            raise ConfigError(f"{source}: {key} rope_type {kind!r} is not supported (only 'default')")
+    in_use = next((rope for rope in dicts.values() if rope), {})
+    theta = in_use.get("rope_theta", raw.get("rope_theta"))
+    theta = HF_DEFAULTS["rope_theta"] if theta is None else theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
+    return float(theta)
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
     """Static architecture of a Qwen3 decoder; hashable so it can key compiled steps."""
@@ -68,39 +103,50 @@ class Qwen3Config:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> "Qwen3Config":
-        """Build from a parsed HF config dict; `source` names the file in errors."""
+        """Build from a parsed HF config dict; `source` names the file in errors.
+
+        A field the file leaves out takes transformers' Qwen3Config default (HF_DEFAULTS), so
+        a terse config means here what it means to the reference implementation.
+        """
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         if raw.get("model_type") != "qwen3":
             raise ConfigError(f"{source}: model_type must be 'qwen3', got {raw.get('model_type')!r}")
         if raw.get("use_sliding_window"):
             raise ConfigError(f"{source}: use_sliding_window=true is not supported")
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported (only 'silu')")
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in (None, "default"):
-            raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported (only 'default')")
-        theta = rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in raw]
         if missing:
             raise ConfigError(f"{source}: missing required field(s) {missing}")
-        heads = raw["num_attention_heads"]
-        eos = raw.get("eos_token_id")
+
+        def get(key: str, kind: type) -> Any:
+            value = raw.get(key, HF_DEFAULTS.get(key))
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                raise ConfigError(f"{source}: field {key} must be {kind.__name__}, got {value!r}")
+            return value
+
+        heads = get("num_attention_heads", int)
+        # null KV heads means one per query head, as in transformers
+        kv_heads = heads if raw.get("num_key_value_heads", 0) is None else get("num_key_value_heads", int)
         return cls(
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
+            vocab_size=get("vocab_size", int),
+            hidden_size=get("hidden_size", int),
+            intermediate_size=get("intermediate_size", int),
+            num_hidden_layers=get("num_hidden_layers", int),
             num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
+            num_key_value_heads=kv_heads,
+            head_dim=get("head_dim", int),
+            rms_norm_eps=get("rms_norm_eps", float),
+            rope_theta=_rope_theta(raw, source),
+            tie_word_embeddings=get("tie_word_embeddings", bool),
+            attention_bias=get("attention_bias", bool),
+            max_position_embeddings=get("max_position_embeddings", int),
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            eos_token_id=parse_eos(raw.get("eos_token_id"), source),
         )
 
     @classmethod

@@ -58,11 +58,27 @@ class DFlashError(CheckpointError):
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """z-lab's `build_target_layer_ids`: spread from layer 1 to layer L-3 (dflash.md 1.5)."""
+    """z-lab's `build_target_layer_ids`: spread from layer 1 to layer L-3 (dflash.md 1.5).
+    It is what a checkpoint without target_layer_ids was trained with, so it is kept as is,
+    even where shallow targets make it repeat or leave the layers."""
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     span = num_target_layers - 4
     return tuple(int(round(1 + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers))
+
+
+def new_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """Taps for a new drafter: z-lab's spread where it gives distinct layers in range,
+    else an even spread over all the target's layers."""
+    ids = default_target_layer_ids(num_target_layers, num_draft_layers)
+    if ids[0] >= 0 and ids[-1] < num_target_layers and all(a < b for a, b in zip(ids, ids[1:])):
+        return ids
+    if num_draft_layers > num_target_layers:
+        raise ConfigError(f"no default target_layer_ids for {num_draft_layers} draft layers on a "
+                          f"{num_target_layers}-layer target (one distinct tap per draft layer); pass "
+                          "target_layer_ids explicitly")
+    last = num_target_layers - 1
+    return tuple(int(round(i * last / (num_draft_layers - 1))) for i in range(num_draft_layers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,10 +229,10 @@ def config_for(target_cfg: Qwen3Config, num_layers: int = 5, block_size: int = 1
                target_layer_ids: tuple[int, ...] | None = None, mask_token_id: int | None = None) -> DFlashConfig:
     """A drafter config for `target_cfg` (its geometry, `num_layers` layers).
 
-    target_layer_ids default to z-lab's even spread; mask_token_id defaults to the last
+    target_layer_ids default to new_target_layer_ids; mask_token_id defaults to the last
     vocabulary row (for Qwen3 a padded row, like the published 151669).
     """
-    ids = (default_target_layer_ids(target_cfg.num_hidden_layers, num_layers) if target_layer_ids is None
+    ids = (new_target_layer_ids(target_cfg.num_hidden_layers, num_layers) if target_layer_ids is None
            else target_layer_ids)
     cfg = DFlashConfig(
         vocab_size=target_cfg.vocab_size, hidden_size=target_cfg.hidden_size,

@@ -132,7 +132,20 @@ def run_prefill(model: Model, kv: kvlib.KVCache, tokens: np.ndarray, seed: jax.A
     return token, kv, tapped
 
 
-def _validate(model: Model, ids: np.ndarray, max_new_tokens: int, capacity: int | None) -> int:
+def _token_ids(ids: Any) -> np.ndarray:
+    """The prompt as int64 ids; text or non-integer values are refused, never cast."""
+    if isinstance(ids, (str, bytes)):
+        raise GenerationError("prompt must be token ids, got text; tokenize it first "
+                              "(e.g. model.tokenizer(text)['input_ids'])")
+    arr = np.asarray(ids)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise GenerationError(f"prompt token ids must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def _validate(model: Model, ids: np.ndarray, max_new_tokens: int, capacity: int | None, seed: int) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 32:
+        raise GenerationError(f"seed must be an integer in [0, 2**32), got {seed!r}")
     if ids.ndim != 1 or len(ids) == 0:
         raise GenerationError(f"prompt must be a non-empty 1-D list of token ids, got shape {ids.shape}")
     if ids.min() < 0 or ids.max() >= model.config.vocab_size:
@@ -154,17 +167,18 @@ def _validate(model: Model, ids: np.ndarray, max_new_tokens: int, capacity: int 
 
 
 def generate(model: Model, ids: Sequence[int], *, max_new_tokens: int, sampling: Sampling = Sampling(),
-             stop_ids: Sequence[int] = (), seed: int = 0, speculative: Any = None,
+             stop_ids: Sequence[int] | None = None, seed: int = 0, speculative: Any = None,
              capacity: int | None = None, on_tokens: Callable[[list[int]], None] | None = None) -> GenerateResult:
-    """Generate up to max_new_tokens after `ids`; stops after emitting any id in stop_ids.
+    """Generate up to max_new_tokens after `ids`; stops after emitting any id in stop_ids
+    (default: the model's eos ids, as transformers' generate; `()` never stops early).
 
     With `speculative` (a proposer) the output is the same as without it: token for token
     for greedy decoding and deterministic proposers, in distribution for sampled drafts.
     `on_tokens` receives each step's newly committed tokens (for streaming).
     """
-    ids = np.asarray(ids, dtype=np.int64)
-    capacity = _validate(model, ids, max_new_tokens, capacity)
-    stops = set(int(s) for s in stop_ids)
+    ids = _token_ids(ids)
+    capacity = _validate(model, ids, max_new_tokens, capacity, seed)
+    stops = set(int(s) for s in (model.eos_ids if stop_ids is None else stop_ids))
     seed_arr = jnp.uint32(seed)
     stats = Stats(prompt_tokens=len(ids))
     history = np.zeros(len(ids) + max_new_tokens + steps.BUCKETS[-1], np.int32)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,7 @@ import jax.numpy as jnp
 
 from . import checkpoint
 from .checkpoint import CheckpointError, Params
-from .config import Qwen3Config
+from .config import ConfigError, Qwen3Config, parse_eos, read_json
 from .runtime import enable_compilation_cache
 
 
@@ -48,9 +47,12 @@ def _generation_eos(folder: Path, cfg: Qwen3Config) -> Qwen3Config:
     """Prefer generation_config.json's eos_token_id, as transformers' generate does."""
     gen = folder / "generation_config.json"
     if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
+        raw = read_json(gen)
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{gen}: expected a JSON object, got {type(raw).__name__}")
+        eos = parse_eos(raw.get("eos_token_id"), str(gen))
         if eos is not None:
-            return dataclasses.replace(cfg, eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
+            return dataclasses.replace(cfg, eos_token_id=eos)
     return cfg
 
 

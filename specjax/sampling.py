@@ -24,6 +24,9 @@ class SamplingError(ValueError):
     """Invalid sampling parameters."""
 
 
+MIN_TEMPERATURE = float(jnp.finfo(jnp.float32).tiny)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """Decoding distribution: temperature 0 is greedy (argmax, lowest id wins ties).
@@ -40,6 +43,9 @@ class Sampling:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # XLA flushes subnormals: t would act as 0
+            raise SamplingError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:.3g} (float32's smallest "
+                                f"normal number), got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
@@ -67,6 +73,15 @@ def _top_p_min_p(x: jax.Array, s: Sampling) -> jax.Array:
     return x
 
 
+def _tempered(logits: jax.Array, s: Sampling) -> jax.Array:
+    """Logits divided by the temperature, shifted so each row's largest is 0 first: the
+    same distribution, but a tiny temperature sends the others to -inf instead of making
+    every logit +-inf (NaN after the softmax)."""
+    x = logits.astype(jnp.float32)
+    top = jnp.max(x, axis=-1, keepdims=True)
+    return (x - jnp.where(jnp.isfinite(top), top, 0.0)) / s.temperature
+
+
 def transform(logits: jax.Array, s: Sampling) -> jax.Array:
     """Log-probabilities [..., V] (float32) of the sampling distribution; -inf outside it.
 
@@ -74,11 +89,10 @@ def transform(logits: jax.Array, s: Sampling) -> jax.Array:
     full-vocabulary sort costs ~2 ms per row on CPU); if any row has ties at the k-th value,
     transformers keeps them all, so that case takes the full-vocabulary path.
     """
-    x = logits.astype(jnp.float32)
     if s.greedy:
-        top = jnp.argmax(x, axis=-1)
-        return jnp.where(jnp.arange(x.shape[-1]) == top[..., None], 0.0, -jnp.inf)
-    x = x / s.temperature
+        top = jnp.argmax(logits, axis=-1)
+        return jnp.where(jnp.arange(logits.shape[-1]) == top[..., None], 0.0, -jnp.inf)
+    x = _tempered(logits, s)
     if not 0 < s.top_k < x.shape[-1]:
         return jax.nn.log_softmax(_top_p_min_p(x, s), axis=-1)
     # [..., k], descending. The barrier keeps XLA from folding the slices below into the
@@ -119,7 +133,7 @@ def target_tokens(logits: jax.Array, positions: jax.Array, seed: jax.Array, s: S
     def vocabulary(_):
         return jax.vmap(sample)(transform(logits, s), keys)
 
-    x = logits.astype(jnp.float32) / s.temperature
+    x = _tempered(logits, s)
     if not 0 < s.top_k < x.shape[-1]:
         return vocabulary(None)
     # With top-k a row's support is its k candidates unless it ties at the k-th logit

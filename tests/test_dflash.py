@@ -11,6 +11,7 @@ import pytest
 
 import specjax
 from specjax import checkpoint, dflash, qwen3, steps
+from specjax.config import ConfigError
 from specjax import kv as kvlib
 from specjax.dflash import append_context, draft_block, init_cache, load_dflash, save_dflash
 from specjax.loop import run_prefill
@@ -129,6 +130,21 @@ def test_default_target_layer_ids():
     assert dflash.default_target_layer_ids(64, 2) == (1, 61)
     raw = {**HANDMADE, "dflash_config": {"mask_token_id": 100}}
     assert dflash.DFlashConfig.from_hf(raw).target_layer_ids == (1, 0)
+
+
+def test_new_drafter_taps_are_distinct_target_layers():
+    for layers in range(1, 41):
+        for n in range(1, 7):
+            zlab = dflash.default_target_layer_ids(layers, n)
+            if n > layers:
+                with pytest.raises(ConfigError, match="pass target_layer_ids"):
+                    dflash.new_target_layer_ids(layers, n)
+                continue
+            ids = dflash.new_target_layer_ids(layers, n)
+            assert len(ids) == n and 0 <= ids[0] and ids[-1] < layers
+            assert all(a < b for a, b in zip(ids, ids[1:])), (layers, n, ids)
+            if len(set(zlab)) == n and min(zlab) >= 0 and max(zlab) < layers and list(zlab) == sorted(zlab):
+                assert ids == zlab  # z-lab's choice wherever it is a valid one
 
 
 def test_handmade_folder_loads(tiny, handmade):

@@ -1,5 +1,6 @@
 """Plain generation: greedy equals transformers' generate; bad input is a clear error."""
 
+import dataclasses
 import json
 
 import pytest
@@ -20,7 +21,7 @@ def test_greedy_equals_transformers_generate(tiny, rng):
             want = ref.generate(torch.tensor(ids[None]), attention_mask=torch.ones(1, length, dtype=torch.long),
                                 max_new_tokens=64, min_new_tokens=64, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)[0, length:].tolist()
-        got = specjax.generate(model, ids, max_new_tokens=64)
+        got = specjax.generate(model, ids, max_new_tokens=64, stop_ids=())
         assert got.tokens == want
         assert got.stats.new_tokens == 64 and got.stats.steps == 63
 
@@ -34,6 +35,17 @@ def test_stop_id_and_max_new_tokens(tiny, rng):
     res = specjax.generate(model, ids, max_new_tokens=30, stop_ids=[stop])
     assert res.tokens == full[:first + 1] and res.stopped
     assert specjax.generate(model, ids, max_new_tokens=7).tokens == full[:7]
+
+
+def test_stops_at_the_models_eos_unless_told_not_to(tiny, rng):
+    _, _, model = tiny
+    ids = rng.integers(0, model.config.vocab_size, 12)
+    full = specjax.generate(model, ids, max_new_tokens=30, stop_ids=()).tokens
+    eos = full[12]
+    with_eos = dataclasses.replace(model, config=dataclasses.replace(model.config, eos_token_id=(eos,)))
+    res = specjax.generate(with_eos, ids, max_new_tokens=30)
+    assert res.tokens == full[:full.index(eos) + 1] and res.stopped
+    assert specjax.generate(with_eos, ids, max_new_tokens=30, stop_ids=()).tokens == full
 
 
 def test_missing_weights_file(tmp_path):
@@ -76,10 +88,17 @@ def test_prompt_longer_than_capacity(tiny):
         specjax.generate(model, [1] * 4000, max_new_tokens=200)
 
 
-@pytest.mark.parametrize("ids,match", [([], "non-empty"), ([5, 101], r"\[0, 101\)"), ([-1], r"\[0, 101\)")])
+@pytest.mark.parametrize("ids,match", [([], "non-empty"), ([5, 101], r"\[0, 101\)"), ([-1], r"\[0, 101\)"),
+                                       ("hello", "got text"), ([1.5, 2.0], "must be integers")])
 def test_bad_prompt(tiny, ids, match):
     with pytest.raises(GenerationError, match=match):
         specjax.generate(tiny[2], ids, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("seed", [-1, 2 ** 32, 1.0, True])
+def test_bad_seed(tiny, seed):
+    with pytest.raises(GenerationError, match="seed must be an integer"):
+        specjax.generate(tiny[2], [1, 2], max_new_tokens=2, seed=seed)
 
 
 def test_bad_max_new_tokens(tiny):

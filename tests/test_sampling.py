@@ -42,6 +42,21 @@ def test_transform_matches_transformers(rng, temperature, top_k, top_p, min_p):
     assert np.abs(got[finite] - want[finite]).max() <= 1e-5
 
 
+def test_tiny_temperature_is_the_argmax_not_nan(rng):
+    logits = jnp.asarray(rng.standard_normal((3, 200)).astype(np.float32) * 4)
+    want = np.argmax(np.asarray(logits), axis=-1)
+    for temperature in (1e-30, smp.MIN_TEMPERATURE):
+        for top_k in (0, 20):
+            s = Sampling(temperature=temperature, top_k=top_k)
+            logp = np.asarray(smp.transform(logits, s))
+            assert not np.isnan(logp).any()
+            assert (np.argmax(logp, axis=-1) == want).all() and (logp.max(axis=-1) == 0).all()
+            got = smp.target_tokens(logits, jnp.arange(3), jnp.uint32(1), s)
+            assert np.asarray(got).tolist() == want.tolist()
+    with pytest.raises(SamplingError, match="smallest normal"):
+        Sampling(temperature=1e-44)  # subnormal: XLA would flush it to 0
+
+
 def test_greedy_is_argmax_lowest_index(rng):
     logits = rng.standard_normal((4, 50)).astype(np.float32)
     logits[:, [3, 17, 40]] = 9.0  # a three-way tie for the max
