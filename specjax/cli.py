@@ -47,6 +47,8 @@ def _add_generate(sub) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    src.add_argument("--prompt-ids", type=_token_ids, metavar="I,J,...",
+                     help="the prompt as comma-separated token ids (for folders without a tokenizer)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=_positive, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -116,7 +118,21 @@ def _bench(args) -> int:
     return 0
 
 
-def _prompt_ids(args, tokenizer) -> list[int]:
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _prompt_ids(args, tokenizer, folder: Path) -> list[int]:
+    if args.prompt_ids is not None:
+        if args.chat:
+            raise UsageError("--chat needs a text prompt (--prompt or --prompt-file), not --prompt-ids")
+        return args.prompt_ids
+    if tokenizer is None:
+        raise UsageError(f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json); "
+                         "give the prompt as --prompt-ids")
     if args.prompt_file is not None:
         if not args.prompt_file.is_file():
             raise UsageError(f"--prompt-file {args.prompt_file}: no such file")
@@ -124,7 +140,7 @@ def _prompt_ids(args, tokenizer) -> list[int]:
     elif args.prompt is not None:
         text = args.prompt
     else:
-        raise UsageError("give --prompt TEXT or --prompt-file F")
+        raise UsageError("give --prompt TEXT, --prompt-file F or --prompt-ids I,J,...")
     if args.chat:
         if not getattr(tokenizer, "chat_template", None):
             raise UsageError("--chat: this model's tokenizer has no chat template")
@@ -175,12 +191,17 @@ def _proposer(args, target):
 
 
 class _Streamer:
-    """Prints text as tokens arrive, holding back incomplete UTF-8 sequences."""
+    """Prints text as tokens arrive, holding back incomplete UTF-8 sequences (token ids
+    when the model has no tokenizer)."""
 
     def __init__(self, tokenizer, out=None):
         self.tok, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], 0
 
     def __call__(self, new: list[int]) -> None:
+        if self.tok is None:  # no tokenizer: the ids themselves
+            self.out.write("".join(f"{t}," for t in new))
+            self.out.flush()
+            return
         self.ids += new
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd"):
@@ -205,10 +226,8 @@ def _generate(args) -> int:
         if args.devices > len(devices):
             raise UsageError(f"--devices {args.devices}: only {len(devices)} local device(s)")
         model = shard(model, make_mesh(devices[:args.devices]))
-    if model.tokenizer is None:
-        raise UsageError(f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
-    ids = _prompt_ids(args, model.tokenizer)
+    ids = _prompt_ids(args, model.tokenizer, folder)
     proposer = _proposer(args, model)
     stream = _Streamer(model.tokenizer)
     kw = dict(sampling=sampling, seed=args.seed, stop_ids=model.eos_ids, speculative=proposer,

@@ -29,6 +29,25 @@ def test_generate_streams_and_speculation_changes_nothing(folder, capsys):
         assert "tokens/step" in err
 
 
+def test_prompt_ids_for_a_folder_without_tokenizer(tmp_path, capsys, rng):
+    import specjax
+    from conftest import hf_tiny
+
+    hf_tiny(tmp_path, seed=int(rng.integers(1 << 30)))  # weights and config only
+    ids = rng.integers(0, 101, 9).tolist()
+    want = specjax.generate(specjax.load(tmp_path), ids, max_new_tokens=6).tokens
+    capsys.readouterr()  # drop the rng fixture's seed line
+    for flags in (["--no-speculate"], ["--speculate", "3"]):
+        code, out, err = _run(capsys, "generate", "--model", str(tmp_path), "--prompt-ids", ",".join(map(str, ids)),
+                              "--max-new-tokens", "6", *flags)
+        assert code == 0 and out == "".join(f"{t}," for t in want)
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(tmp_path), "--prompt", "x"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "no tokenizer files" in err and "--prompt-ids" in err and str(tmp_path) in err
+
+
 @pytest.mark.parametrize("argv,match", [
     (["generate", "--model", "/nonexistent", "--prompt", "x"], "not a directory"),
     (["generate", "--prompt", "x", "--max-new-tokens", "0"], "max-new-tokens"),
@@ -36,6 +55,9 @@ def test_generate_streams_and_speculation_changes_nothing(folder, capsys):
     (["generate", "--prompt", "x", "--speculate", "99"], "k must be"),
     (["generate", "--prompt-file", "/nonexistent.txt"], "no such file"),
     (["generate", "--prompt", "x", "--devices", "64"], "local device(s)"),
+    (["generate", "--prompt-ids", "1,x"], "comma-separated integers"),
+    (["generate", "--prompt-ids", "1,99999"], "prompt token ids must be in"),
+    (["generate", "--prompt", "x", "--seed", "-1"], "seed must be"),
 ])
 def test_bad_input_exits_2(argv, match, capsys, folder):
     if "--model" not in argv:
