@@ -179,9 +179,9 @@ def _weight_files(folder: Path) -> dict[str, Path]:
 
 
 @contextlib.contextmanager
-def _open(path: Path, name: str | None = None) -> Iterator[Any]:
-    """safe_open whose failures (truncated file, tensor not where the index says) are a
-    CheckpointError naming the file and tensor."""
+def _open(path: Path) -> Iterator[Any]:
+    """safe_open whose failures (a truncated or corrupt file, a tensor it cannot read) are a
+    CheckpointError naming the file."""
     from safetensors import SafetensorError, safe_open
 
     try:

@@ -47,7 +47,7 @@ def _add_generate(sub) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
-    src.add_argument("--prompt-ids", type=_token_ids, metavar="I,J,...",
+    src.add_argument("--prompt-ids", type=_ids_arg, metavar="I,J,...",
                      help="the prompt as comma-separated token ids (for folders without a tokenizer)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     p.add_argument("--max-new-tokens", type=_positive, default=128)
@@ -118,7 +118,7 @@ def _bench(args) -> int:
     return 0
 
 
-def _token_ids(text: str) -> list[int]:
+def _ids_arg(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",")]
     except ValueError:

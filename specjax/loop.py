@@ -173,7 +173,8 @@ def generate(model: Model, ids: Sequence[int], *, max_new_tokens: int, sampling:
     (default: the model's eos ids, as transformers' generate; `()` never stops early).
 
     With `speculative` (a proposer) the output is the same as without it: token for token
-    for greedy decoding and deterministic proposers, in distribution for sampled drafts.
+    for greedy decoding and deterministic proposers (bitwise-equal steps: float32 on CPU;
+    see the README), in distribution for sampled drafts.
     `on_tokens` receives each step's newly committed tokens (for streaming).
     """
     ids = _token_ids(ids)
