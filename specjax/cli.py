@@ -256,13 +256,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .proposers import ProposerError
     from .sampling import SamplingError
     from .sharding import ShardingError
+    from train.prompts import PromptError
 
     try:
         if args.command == "generate":
             return _generate(args)
         if args.command == "bench":
             return _bench(args)
-    except (CheckpointError, ConfigError, GenerationError, ProposerError, SamplingError, ShardingError,
+    except (CheckpointError, ConfigError, GenerationError, ProposerError, PromptError, SamplingError, ShardingError,
             UsageError) as e:
         parser.exit(2, f"specjax: error: {e}\n")
     except KeyboardInterrupt:

@@ -70,6 +70,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 def new_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
     """Taps for a new drafter: z-lab's spread where it gives distinct layers in range,
     else an even spread over all the target's layers."""
+    if num_draft_layers < 1:
+        raise ConfigError(f"a drafter needs at least one layer, got num_layers={num_draft_layers}")
     ids = default_target_layer_ids(num_target_layers, num_draft_layers)
     if ids[0] >= 0 and ids[-1] < num_target_layers and all(a < b for a, b in zip(ids, ids[1:])):
         return ids
@@ -132,21 +134,36 @@ class DFlashConfig:
         for key, default in _DEFAULTS.items():
             if get(key, default) not in (default, None):
                 raise ConfigError(f"{source}: {key}={get(key)!r} is not supported (only {default!r})")
-        kinds = set(raw.get("layer_types") or ["full_attention"])
-        if kinds != {"full_attention"}:
-            raise ConfigError(f"{source}: layer_types {sorted(kinds)} are not supported (only full_attention)")
+        kinds = raw.get("layer_types") or ["full_attention"] * base.num_hidden_layers
+        if not isinstance(kinds, list) or len(kinds) != base.num_hidden_layers:
+            raise ConfigError(f"{source}: layer_types must list one entry per layer ({base.num_hidden_layers}), "
+                              f"got {kinds!r}")
+        if set(kinds) != {"full_attention"}:
+            raise ConfigError(f"{source}: layer_types {sorted(set(map(str, kinds)))} are not supported "
+                              "(only full_attention)")
+
+        def integer(key: str, value: Any) -> int:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
+            return value
+
         if "num_target_layers" not in raw:
             raise ConfigError(f"{source}: missing required field num_target_layers")
-        mask = get("mask_token_id")
-        if mask is None:
+        n_target = integer("num_target_layers", raw["num_target_layers"])
+        if get("mask_token_id") is None:
             raise ConfigError(f"{source}: missing dflash_config.mask_token_id")
-        ids = get("target_layer_ids") or default_target_layer_ids(raw["num_target_layers"], base.num_hidden_layers)
+        ids = get("target_layer_ids")
+        if ids is None:
+            ids = default_target_layer_ids(n_target, base.num_hidden_layers)
+        elif not isinstance(ids, list) or not ids:
+            raise ConfigError(f"{source}: target_layer_ids must be a non-empty list of layer indices, got {ids!r}")
         return cls(
             vocab_size=base.vocab_size, hidden_size=base.hidden_size, intermediate_size=base.intermediate_size,
             num_hidden_layers=base.num_hidden_layers, num_attention_heads=base.num_attention_heads,
             num_key_value_heads=base.num_key_value_heads, head_dim=base.head_dim,
-            target_layer_ids=tuple(ids), num_target_layers=int(raw["num_target_layers"]),
-            mask_token_id=int(mask), block_size=int(get("block_size", 16)), rms_norm_eps=base.rms_norm_eps,
+            target_layer_ids=tuple(integer("target_layer_ids", i) for i in ids), num_target_layers=n_target,
+            mask_token_id=integer("mask_token_id", get("mask_token_id")),
+            block_size=integer("block_size", get("block_size", 16)), rms_norm_eps=base.rms_norm_eps,
             rope_theta=base.rope_theta, max_position_embeddings=base.max_position_embeddings)
 
     @classmethod

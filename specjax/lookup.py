@@ -37,6 +37,7 @@ from .proposers import ProposerError, check_k, check_ngram
 from .sampling import Sampling
 
 STOPS = 8  # stop ids the device checks (more are still honoured: the loop checks them all)
+MAX_NGRAM = 32  # find() unrolls one comparison per n: compile time grows with it
 
 
 def find(history: jax.Array, size: jax.Array, k: int, max_ngram: int, min_ngram: int
@@ -225,7 +226,7 @@ class LookupProposer:
 
     def __post_init__(self) -> None:
         check_k(self.k, steps.BUCKETS[-1] - 1)
-        check_ngram(self.max_ngram, self.min_ngram)
+        check_ngram(self.max_ngram, self.min_ngram, MAX_NGRAM)
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ProposerError(f"steps must be an integer >= 1, got {self.steps!r}")
         # target -> (capacity, sampling) -> StepCosts

@@ -60,14 +60,22 @@ class Session(Protocol):
     def observe(self, accepted: int, history: np.ndarray) -> None: ...
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def check_k(k: int, largest: int) -> None:
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= largest:
+    if not _is_int(k) or not 1 <= k <= largest:
         raise ProposerError(f"k must be an integer in [1, {largest}], got {k!r}")
 
 
-def check_ngram(max_ngram: int, min_ngram: int) -> None:
-    if not 1 <= min_ngram <= max_ngram:
-        raise ProposerError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+def check_ngram(max_ngram: int, min_ngram: int, largest: int | None = None) -> None:
+    """1 <= min_ngram <= max_ngram (<= largest, where the lookup unrolls one compare per n)."""
+    if not (_is_int(max_ngram) and _is_int(min_ngram)) or not 1 <= min_ngram <= max_ngram:
+        raise ProposerError(f"need integers 1 <= min_ngram <= max_ngram, got {min_ngram!r}, {max_ngram!r}")
+    if largest is not None and max_ngram > largest:
+        raise ProposerError(f"max_ngram must be at most {largest} for the on-device lookup, got {max_ngram}")
+
 
 
 def ngram_lookup(history: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> tuple[np.ndarray, int]:
@@ -135,6 +143,9 @@ class DraftProposer:
     sample: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, Model):
+            raise ProposerError(f"DraftProposer needs a loaded model (specjax.load(folder)), "
+                                f"got {type(self.model).__name__}")
         check_k(self.k, steps.BUCKETS[-1] - 1)
 
     def cost_prior(self, target: Model) -> tuple[float, bool]:
@@ -207,6 +218,9 @@ class DFlashProposer:
     sample: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.drafter, dflashlib.Drafter):
+            raise ProposerError(f"DFlashProposer needs a drafter (specjax.load_dflash(folder, target)), "
+                                f"got {type(self.drafter).__name__}")
         largest = min(self.drafter.cfg.block_size - 1, steps.BUCKETS[-1] - 1)
         if self.k is None:
             object.__setattr__(self, "k", largest)

@@ -147,6 +147,28 @@ def test_new_drafter_taps_are_distinct_target_layers():
                 assert ids == zlab  # z-lab's choice wherever it is a valid one
 
 
+@pytest.mark.parametrize("change, match", [
+    ({"block_size": None}, "block_size must be an integer"),
+    ({"block_size": 8.5}, "block_size must be an integer"),
+    ({"dflash_config": {"mask_token_id": 100, "target_layer_ids": "0,2"}}, "target_layer_ids must be a non-empty"),
+    ({"dflash_config": {"mask_token_id": 100, "target_layer_ids": []}}, "target_layer_ids must be a non-empty"),
+    ({"dflash_config": {"mask_token_id": 100, "target_layer_ids": [0, 1.5]}}, "target_layer_ids must be an integer"),
+    ({"layer_types": ["full_attention"] * 3}, "one entry per layer"),
+    ({"num_target_layers": "3"}, "num_target_layers must be an integer"),
+])
+def test_malformed_drafter_config_is_named(tmp_path, change, match):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**HANDMADE, **change}))
+    with pytest.raises(ConfigError, match=match) as err:
+        dflash.DFlashConfig.from_file(path)
+    assert str(path) in str(err.value)
+
+
+def test_a_drafter_needs_a_layer(tiny):
+    with pytest.raises(ConfigError, match="at least one layer"):
+        dflash.init(tiny[2].config, jax.random.key(0), num_layers=0)
+
+
 def test_handmade_folder_loads(tiny, handmade):
     folder, t = handmade
     d = load_dflash(folder, tiny[2])

@@ -146,6 +146,23 @@ def test_bad_options():
         lookup.LookupProposer(max_ngram=1, min_ngram=2)
     with pytest.raises(ProposerError, match="steps"):
         lookup.LookupProposer(steps=0)
+    for kw in (dict(max_ngram=2.5), dict(max_ngram="3"), dict(min_ngram=None)):
+        with pytest.raises(ProposerError, match="need integers"):
+            lookup.LookupProposer(**kw)
+    with pytest.raises(ProposerError, match="at most 32"):
+        lookup.LookupProposer(max_ngram=33)
+    assert lookup.LookupProposer(k=np.int64(3)).k == 3
+
+
+def test_adaptive_takes_proposers_and_sane_priors():
+    from specjax.proposers import NgramProposer
+
+    for bad in (object(), specjax.Adaptive(NgramProposer())):
+        with pytest.raises(ProposerError, match="chooses among proposers"):
+            specjax.Adaptive(NgramProposer(), bad)
+    for kw in (dict(prior_accept=2.0), dict(accept_decay=1.5), dict(prior_accept=0.0)):
+        with pytest.raises(ProposerError, match="must be in"):
+            specjax.Adaptive(NgramProposer(), **kw)
 
 
 def test_cannot_be_wrapped():

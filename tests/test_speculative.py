@@ -197,3 +197,7 @@ def test_proposer_errors(tiny, tmp_path):
     for bad in (0, 16, 2.5):
         with pytest.raises(ProposerError, match="k must be"):
             NgramProposer(k=bad)
+    with pytest.raises(ProposerError, match="needs a loaded model"):
+        DraftProposer(str(tmp_path), k=3)
+    with pytest.raises(ProposerError, match="need integers"):
+        NgramProposer(max_ngram=2.5)

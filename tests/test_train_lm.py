@@ -71,3 +71,15 @@ def test_init_from_a_saved_model_starts_from_its_weights(tmp_path):
     tuned = lm.train(CFG, TC, _tokens(1, 4000), _tokens(2, 1000), tmp_path / "run", init=tmp_path / "model")
     scratch = lm.train(CFG, TC, _tokens(1, 4000), _tokens(2, 1000), tmp_path / "run2")
     assert not np.allclose(tuned["params"]["model.norm.weight"], scratch["params"]["model.norm.weight"])
+
+
+def test_stage_commands_name_a_missing_input_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    for argv, named in ((["train.target", "--data", str(tmp_path / "nope")], "nope/meta.json"),
+                        (["train.evaluate", "--model", str(tmp_path / "gone")], "gone: not a directory")):
+        proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert f"python -m {argv[0]}: error:" in proc.stderr and named in proc.stderr
+        assert "Traceback" not in proc.stderr

@@ -66,4 +66,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from train import run
+
+    run(main, "python -m train.distill")

@@ -18,6 +18,10 @@ from typing import Any
 from train import corpus, edits
 
 
+class PromptError(ValueError):
+    """Benchmark prompts that cannot be built (too short a length, too few held-out files)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Prompt:
     kind: str          # "edit" or "complete"
@@ -53,7 +57,7 @@ def edit_prompts(tokenizer: Any, n: int, prompt_tokens: int, seed: int = 0) -> l
         prefix = tokenizer(text)["input_ids"][:budget]
         out.append(Prompt("edit", prefix + eos + tail, name, example.answer))
     if len(out) < n:
-        raise ValueError(f"could only build {len(out)} of {n} edit prompts of {prompt_tokens} tokens")
+        raise PromptError(f"could only build {len(out)} of {n} edit prompts of {prompt_tokens} tokens")
     return out
 
 
@@ -76,7 +80,7 @@ def completion_prompts(tokenizer: Any, n: int, prompt_tokens: int, seed: int = 0
         ids = tokenizer(decoded[:cut + 1])["input_ids"] if cut > 0 else window
         out.append(Prompt("complete", ids, name))
     if len(out) < n:
-        raise ValueError(f"could only build {len(out)} of {n} completion prompts of {prompt_tokens} tokens")
+        raise PromptError(f"could only build {len(out)} of {n} completion prompts of {prompt_tokens} tokens")
     return out
 
 
@@ -95,5 +99,5 @@ WORKLOADS = tuple(MAKERS)
 def workload(tokenizer: Any, kind: str, n: int, prompt_tokens: int, seed: int = 0) -> list[Prompt]:
     """Prompts of one workload by name."""
     if kind not in MAKERS:
-        raise ValueError(f"unknown workload {kind!r}; choose from {sorted(MAKERS)}")
+        raise PromptError(f"unknown workload {kind!r}; choose from {sorted(MAKERS)}")
     return MAKERS[kind](tokenizer, n, prompt_tokens, seed)
