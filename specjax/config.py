@@ -30,6 +30,16 @@ HF_DEFAULTS: dict[str, Any] = {
 }
 
 
+def typed(value: Any, kind: type, key: str, source: str) -> Any:
+    """A config field's value checked to be `kind` (bool is not an int; an int is a float),
+    or a ConfigError naming the file and field."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ConfigError(f"{source}: field {key} must be {kind.__name__}, got {value!r}")
+    return value
+
+
 def parse_eos(eos: Any, source: str) -> int | tuple[int, ...] | None:
     """An eos_token_id field (int, list of ints or null) as stored on Qwen3Config."""
     if isinstance(eos, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
@@ -122,12 +132,7 @@ class Qwen3Config:
             raise ConfigError(f"{source}: missing required field(s) {missing}")
 
         def get(key: str, kind: type) -> Any:
-            value = raw.get(key, HF_DEFAULTS.get(key))
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-                raise ConfigError(f"{source}: field {key} must be {kind.__name__}, got {value!r}")
-            return value
+            return typed(raw.get(key, HF_DEFAULTS.get(key)), kind, key, source)
 
         heads = get("num_attention_heads", int)
         # null KV heads means one per query head, as in transformers

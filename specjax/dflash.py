@@ -41,7 +41,7 @@ from flax import struct
 from . import checkpoint
 from . import sampling as smp
 from .checkpoint import LAYERS, CheckpointError, Params
-from .config import ConfigError, Qwen3Config, read_json
+from .config import ConfigError, Qwen3Config, read_json, typed
 from .model import Model
 from .qwen3 import attend_masked, linear, mlp, rms_norm, rope, unembed
 from .sampling import Sampling
@@ -142,14 +142,9 @@ class DFlashConfig:
             raise ConfigError(f"{source}: layer_types {sorted(set(map(str, kinds)))} are not supported "
                               "(only full_attention)")
 
-        def integer(key: str, value: Any) -> int:
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(f"{source}: {key} must be an integer, got {value!r}")
-            return value
-
         if "num_target_layers" not in raw:
             raise ConfigError(f"{source}: missing required field num_target_layers")
-        n_target = integer("num_target_layers", raw["num_target_layers"])
+        n_target = typed(raw["num_target_layers"], int, "num_target_layers", source)
         if get("mask_token_id") is None:
             raise ConfigError(f"{source}: missing dflash_config.mask_token_id")
         ids = get("target_layer_ids")
@@ -161,9 +156,10 @@ class DFlashConfig:
             vocab_size=base.vocab_size, hidden_size=base.hidden_size, intermediate_size=base.intermediate_size,
             num_hidden_layers=base.num_hidden_layers, num_attention_heads=base.num_attention_heads,
             num_key_value_heads=base.num_key_value_heads, head_dim=base.head_dim,
-            target_layer_ids=tuple(integer("target_layer_ids", i) for i in ids), num_target_layers=n_target,
-            mask_token_id=integer("mask_token_id", get("mask_token_id")),
-            block_size=integer("block_size", get("block_size", 16)), rms_norm_eps=base.rms_norm_eps,
+            target_layer_ids=tuple(typed(i, int, "target_layer_ids", source) for i in ids),
+            num_target_layers=n_target,
+            mask_token_id=typed(get("mask_token_id"), int, "mask_token_id", source),
+            block_size=typed(get("block_size", 16), int, "block_size", source), rms_norm_eps=base.rms_norm_eps,
             rope_theta=base.rope_theta, max_position_embeddings=base.max_position_embeddings)
 
     @classmethod

@@ -148,13 +148,13 @@ def test_new_drafter_taps_are_distinct_target_layers():
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"block_size": None}, "block_size must be an integer"),
-    ({"block_size": 8.5}, "block_size must be an integer"),
+    ({"block_size": None}, "field block_size must be int"),
+    ({"block_size": 8.5}, "field block_size must be int"),
     ({"dflash_config": {"mask_token_id": 100, "target_layer_ids": "0,2"}}, "target_layer_ids must be a non-empty"),
     ({"dflash_config": {"mask_token_id": 100, "target_layer_ids": []}}, "target_layer_ids must be a non-empty"),
-    ({"dflash_config": {"mask_token_id": 100, "target_layer_ids": [0, 1.5]}}, "target_layer_ids must be an integer"),
+    ({"dflash_config": {"mask_token_id": 100, "target_layer_ids": [0, 1.5]}}, "field target_layer_ids must be int"),
     ({"layer_types": ["full_attention"] * 3}, "one entry per layer"),
-    ({"num_target_layers": "3"}, "num_target_layers must be an integer"),
+    ({"num_target_layers": "3"}, "field num_target_layers must be int"),
 ])
 def test_malformed_drafter_config_is_named(tmp_path, change, match):
     path = tmp_path / "config.json"
