@@ -77,7 +77,6 @@ def check_ngram(max_ngram: int, min_ngram: int, largest: int | None = None) -> N
         raise ProposerError(f"max_ngram must be at most {largest} for the on-device lookup, got {max_ngram}")
 
 
-
 def ngram_lookup(history: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> tuple[np.ndarray, int]:
     """Prompt lookup: the tokens after the latest earlier occurrence of the last n tokens.
 
