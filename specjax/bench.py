@@ -194,11 +194,11 @@ QWEN3_4B_SHAPE = dict(vocab_size=151936, hidden_size=2560, intermediate_size=972
 def random_model(shape: dict, dtype: str) -> Model:
     """A random-weight model of a given shape, for step timings only."""
     import jax
-    from . import checkpoint
+    from . import checkpoint, cpu_kernels
     from .config import Qwen3Config
 
     cfg = Qwen3Config(**shape)
-    params = checkpoint.unstack(checkpoint.init_params(cfg, jax.random.key(0), dtype=dtype))
+    params = cpu_kernels.pack_tree(checkpoint.unstack(checkpoint.init_params(cfg, jax.random.key(0), dtype=dtype)))
     return Model(cfg, params, jax.numpy.dtype(dtype))
 
 

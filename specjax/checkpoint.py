@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import cpu_kernels
 from .config import Qwen3Config
 
 Params = dict[str, Any]
@@ -113,7 +114,8 @@ def unstack(params: Params, key: str = LAYERS) -> Params:
 
 
 def stack(params: Params, key: str = LAYERS) -> Params:
-    """Training layout (inverse of `unstack`; stacked trees pass through)."""
+    """Training layout (inverse of `unstack`, packed weights unpacked; stacked trees pass through)."""
+    params = cpu_kernels.unpack_tree(params)
     layers = params[key]
     if not isinstance(layers, tuple):
         return params

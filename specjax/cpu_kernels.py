@@ -4,9 +4,10 @@ the memory-bandwidth floor (docs/performance.md, fourth and seventh passes):
 - `paged_attention`: attention of a step's few queries over the paged KV pool, read in
   place. XLA copies each layer's pool slab and runs YNNPACK batched matmuls at 1-3 GB/s:
   about half of the shipped model's decode step.
-- `matmul`: x [M, D] times a weight [N, D] for M <= 16 rows (decode, verify, drafting).
-  XLA switches to a packed GEMM from two rows on that costs ~2x a one-row GEMV, so a
-  verify step of 8 tokens cost 2x a decode step; the kernel streams the weight once.
+- `matmul`: x [M, D] times a weight [N, D] for M <= 16 rows (decode, verify, drafting),
+  the weight stored as 16-output panels (`Packed`, made at load by `pack_tree`). XLA
+  switches to a packed GEMM from two rows on that costs ~2x a one-row GEMV, so a verify
+  step of 8 tokens cost 2x a decode step; the kernel streams the weight once.
 - `kv_write`: a layer's new keys and values into the pools, in place (results alias the
   pools). XLA's per-token `dynamic_update_slice` loop costs ~3 us a token and pool.
 
@@ -23,6 +24,7 @@ XLA's own ops; :func:`available` says which, and why, once.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import math
 import os
@@ -31,14 +33,16 @@ import subprocess
 import tempfile
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_attention.cc", "skinny_matmul.cc", "kv_write.cc")
-TARGETS = {"specjax_paged_attention": "SpecjaxPagedAttention", "specjax_skinny_matmul": "SpecjaxSkinnyMatmul",
+SOURCES = ("paged_attention.cc", "matmul.cc", "kv_write.cc")
+TARGETS = {"specjax_paged_attention": "SpecjaxPagedAttention", "specjax_matmul": "SpecjaxMatmul",
            "specjax_kv_write": "SpecjaxKvWrite"}
 # -ffp-contract=off: whether a multiply-add is fused was decided per template instance,
 # which made a row's result depend on how many rows shared the call.
@@ -50,6 +54,8 @@ HEAD_DIMS = (16, 24, 32, 48, 64, 96, 128)
 MAX_ROWS = 64
 # Rows the matmul kernel is instantiated for (one verify step of the largest width).
 MAX_MATMUL_ROWS = 16
+# Outputs per panel of a packed weight: one 64-byte line per input column (csrc/matmul.cc).
+PANEL = 16
 
 _state: dict[str, object] = {}
 
@@ -112,12 +118,6 @@ def applies(q: jax.Array, pool: jax.Array) -> bool:
     return rows <= MAX_ROWS and q.shape[3] in HEAD_DIMS and _on_cpu(q, pool)
 
 
-def applies_matmul(x: jax.Array, w: jax.Array) -> bool:
-    """Whether x [..., D] times w [N, D] should use the matmul kernel."""
-    rows = math.prod(x.shape[:-1])
-    return 1 <= rows <= MAX_MATMUL_ROWS and x.shape[-1] % 8 == 0 and w.ndim == 2 and _on_cpu(x, w)
-
-
 def applies_write(new: jax.Array, pool: jax.Array) -> bool:
     """Whether new keys or values [B, T, K, E] should go into `pool` through `kv_write`."""
     return _on_cpu(new, pool)
@@ -176,43 +176,111 @@ def _require() -> None:
         raise RuntimeError(f"the CPU kernels are unavailable: {_state['why']}")
 
 
-@jax.custom_batching.custom_vmap
-def _skinny(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jax.ffi.ffi_call("specjax_skinny_matmul", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))(x, w)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """A weight [N, D] (HF orientation) stored for `matmul` as panels [ceil(N/16), D, 16]:
+    output n is panels[n // 16, :, n % 16], the last panel zero-padded. `pack_tree` makes
+    them at load where the kernel runs; `unpack_tree` gives the HF layout back."""
+
+    panels: jax.Array
+    n: int = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.panels.shape[1])
+
+    @property
+    def dtype(self) -> Any:
+        return self.panels.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.nbytes
+
+    def unpack(self) -> jax.Array:
+        p, d, _ = self.panels.shape
+        return jnp.swapaxes(self.panels, 1, 2).reshape(p * PANEL, d)[:self.n]
 
 
-@_skinny.def_vmap
-def _skinny_vmap(axis_size, in_batched, x, w):
-    """Under vmap the mapped rows are just more rows: the kernel while they fit, else XLA."""
-    x_batched, w_batched = in_batched
-    if w_batched:
-        x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-        return jnp.einsum("bmd,bnd->bmn", x, w), True
-    if not x_batched:
-        return _skinny(x, w), False
-    rows = x.reshape(-1, x.shape[-1])
-    out = _skinny(rows, w) if rows.shape[0] <= MAX_MATMUL_ROWS else rows @ w.T
-    return out.reshape(axis_size, x.shape[1], w.shape[0]), True
+def pack(w: jax.Array) -> Packed:
+    """The weight [N, D] as panels (see `Packed`)."""
+    n, d = w.shape
+    padded = jnp.pad(jnp.asarray(w), ((0, -n % PANEL), (0, 0)))
+    return Packed(jnp.swapaxes(padded.reshape(-1, PANEL, d), 1, 2), n)
 
 
-@jax.custom_vjp
-def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    return _skinny(x, w)
+def pack_tree(params: Any) -> Any:
+    """`params` with every 2-D weight packed for `matmul` where the kernel runs (CPU,
+    float32, compiled); unchanged elsewhere. Loading does this once (a copy per weight)."""
+    return jax.tree.map(lambda w: pack(w) if w.ndim == 2 and _on_cpu(w) else w, params)
 
 
-def _matmul_fwd(x, w):
-    return _skinny(x, w), (x, w)
+def unpack_tree(params: Any) -> Any:
+    """`params` with every `Packed` weight back in the HF layout [N, D] (saving, sharding)."""
+    return jax.tree.map(lambda w: w.unpack() if isinstance(w, Packed) else w, params,
+                        is_leaf=lambda w: isinstance(w, Packed))
 
 
-def _matmul_bwd(res, g):  # differentiable like the XLA dot it replaces (small-batch tests)
-    x, w = res
-    return g @ w, g.T @ x
+def rows(w: jax.Array | Packed, ids: jax.Array) -> jax.Array:
+    """Rows `ids` of a weight [N, D], packed or not (embedding lookups): [*ids.shape, D]."""
+    if isinstance(w, Packed):
+        return w.panels[ids // PANEL, :, ids % PANEL]
+    return w[ids]
+
+
+def rows_from(w: jax.Array | Packed, start: int) -> jax.Array | Packed:
+    """The weight [N, D] without its first `start` output rows, packed or not."""
+    if not isinstance(w, Packed):
+        return w[start:]
+    if start % PANEL == 0:
+        return Packed(w.panels[start // PANEL:], w.n - start)
+    return w.unpack()[start:]
+
+
+def _kernel(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+    """The FFI call for x [M <= 16, D]; under vmap the mapped rows are just more rows."""
+
+    @jax.custom_batching.custom_vmap
+    def call(x, panels):
+        return jax.ffi.ffi_call("specjax_matmul", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, panels)
+
+    @call.def_vmap
+    def _(axis_size, in_batched, x, panels):
+        x_batched, w_batched = in_batched
+        if w_batched:  # one weight per mapped element: XLA
+            x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+            return jax.vmap(lambda x, p: x @ Packed(p, n).unpack().T)(x, panels), True
+        if not x_batched:
+            return call(x, panels), False
+        flat = x.reshape(-1, x.shape[-1])
+        out = call(flat, panels) if flat.shape[0] <= MAX_MATMUL_ROWS else flat @ Packed(panels, n).unpack().T
+        return out.reshape(axis_size, x.shape[1], n), True
+
+    return call(x, panels)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+    return _kernel(x, panels, n)
+
+
+def _matmul_fwd(x, panels, n):
+    return _kernel(x, panels, n), (x, panels)
+
+
+def _matmul_bwd(n, res, g):  # differentiable like the XLA dot it replaces
+    x, panels = res
+    return g @ Packed(panels, n).unpack(), pack(g.T @ x).panels
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., D] times a weight [N, D] (HF orientation): [..., N], for at most 16 rows."""
+def matmul(x: jax.Array, w: Packed) -> jax.Array:
+    """x [..., D] times a packed weight: [..., N]. The kernel for at most 16 rows where it
+    runs; XLA's dot over the unpacked weight otherwise (prefill chunks, training batches)."""
+    if not (1 <= math.prod(x.shape[:-1]) <= MAX_MATMUL_ROWS and _on_cpu(x, w.panels)):
+        return jax.lax.dot_general(x, w.unpack(), (((x.ndim - 1,), (1,)), ((), ())))
     _require()
-    return _matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+    return _matmul(x.reshape(-1, x.shape[-1]), w.panels, w.n).reshape(*x.shape[:-1], w.n)

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from . import checkpoint
+from . import checkpoint, cpu_kernels
 from . import sampling as smp
 from .checkpoint import LAYERS, CheckpointError, Params
 from .config import ConfigError, Qwen3Config, read_json, typed
@@ -290,6 +290,7 @@ def load_dflash(path: str | Path, target: Model, dtype: Any = None) -> Drafter:
     check_fits(cfg, target.config, str(folder / "config.json"))
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(target.dtype)
     params = checkpoint.unstack(from_hf(checkpoint.read_tensors(folder, hf_shapes(cfg), dtype), cfg), DRAFT_LAYERS)
+    params = cpu_kernels.pack_tree(params)
     return Drafter(params, cfg, dtype, folder)
 
 
@@ -344,7 +345,7 @@ def _context_kv(params: Params, cfg: DFlashConfig, x: jax.Array, positions: jax.
     ks, vs = [], []
     for lp in _layer_trees(params):
         # c feeds every layer's k/v projection directly (no input_layernorm on the context)
-        k, v = jnp.split(linear(c, lp["self_attn.qkv_proj.weight"][nh * hd:]), 2, axis=-1)  # [T, K*E] each
+        k, v = jnp.split(linear(c, cpu_kernels.rows_from(lp["self_attn.qkv_proj.weight"], nh * hd)), 2, axis=-1)  # [T, K*E] each
         k = rms_norm(k.reshape(1, -1, nk, hd), lp["self_attn.k_norm.weight"], eps)
         ks.append(rope(k, positions[None], cfg.rope_theta)[0].transpose(1, 0, 2))
         vs.append(v.reshape(-1, nk, hd).transpose(1, 0, 2))
@@ -423,7 +424,7 @@ def draft_block(params: Params, cfg: DFlashConfig, cache: ContextCache, target_p
     b = cfg.block_size
     embed = target_params["model.embed_tokens.weight"]
     tokens = jnp.full((b,), cfg.mask_token_id, jnp.int32).at[0].set(last_token)
-    x = embed[tokens].astype(params["fc.weight"].dtype)  # [B, D]
+    x = cpu_kernels.rows(embed, tokens).astype(params["fc.weight"].dtype)  # [B, D]
     q_pos = start + jnp.arange(b, dtype=jnp.int32)
     seen = jnp.arange(cache.capacity) < start  # slots at or after start are stale
     mask = jnp.concatenate([jnp.broadcast_to(seen, (b, cache.capacity)), jnp.ones((b, b), bool)], axis=1)
@@ -457,7 +458,7 @@ def block_logits(params: Params, cfg: DFlashConfig, target_params: Params, targe
     t = features.shape[0]
     embed = target_params["model.embed_tokens.weight"]
     ctx_k, ctx_v = _context_kv(params, cfg, features, jnp.arange(t, dtype=jnp.int32))  # [L, K, T, E]
-    x = embed[block_ids.reshape(-1)].astype(params["fc.weight"].dtype)  # [N*B, D]
+    x = cpu_kernels.rows(embed, block_ids.reshape(-1)).astype(params["fc.weight"].dtype)  # [N*B, D]
     q_pos = (anchors[:, None] + jnp.arange(b, dtype=jnp.int32)).reshape(-1)  # [N*B]
     h = _block_pass(params, cfg, x, q_pos, ctx_k, ctx_v, block_mask(anchors, b, t))
     return unembed(target_params, target_cfg, h.reshape(n_blocks, b, -1)[:, 1:].astype(embed.dtype))

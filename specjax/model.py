@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import checkpoint
+from . import checkpoint, cpu_kernels
 from .checkpoint import CheckpointError, Params
 from .config import ConfigError, Qwen3Config, parse_eos, read_json
 from .runtime import enable_compilation_cache
@@ -64,7 +64,7 @@ def load(path: str | Path, dtype: Any = None) -> Model:
         raise CheckpointError(f"{folder}: not a directory")
     cfg = _generation_eos(folder, Qwen3Config.from_file(folder / "config.json"))
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
-    params = checkpoint.unstack(checkpoint.load_params(folder, cfg, dtype))
+    params = cpu_kernels.pack_tree(checkpoint.unstack(checkpoint.load_params(folder, cfg, dtype)))
     return Model(cfg, params, dtype, _load_tokenizer(folder), folder)
 
 

@@ -28,9 +28,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * y.astype(x.dtype)
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x [..., in] times a HF-oriented weight [out, in]."""
-    if cpu_kernels.applies_matmul(x, w):
+def linear(x: jax.Array, w: jax.Array | cpu_kernels.Packed, b: jax.Array | None = None) -> jax.Array:
+    """x [..., in] times a HF-oriented weight [out, in] (or one packed for the CPU kernel)."""
+    if isinstance(w, cpu_kernels.Packed):
         y = cpu_kernels.matmul(x, w)
     else:
         y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
@@ -141,7 +141,7 @@ def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions
     for the last layer that is the final-normed state, as in transformers). The cache's
     lengths are not changed here: the caller decides how many tokens it commits.
     """
-    x = params["model.embed_tokens.weight"][tokens]
+    x = cpu_kernels.rows(params["model.embed_tokens.weight"], tokens)
     cache = None if kv is None else (kv.k, kv.v, kv.page_table, kv.page_size)
 
     def body(carry, xs):
@@ -171,7 +171,7 @@ def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions
     return h, kv, tapped
 
 
-def head_weight(params: Params, cfg: Qwen3Config) -> jax.Array:
+def head_weight(params: Params, cfg: Qwen3Config) -> jax.Array | cpu_kernels.Packed:
     """The output projection [V, D]: the embedding table when tied."""
     return params["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
 
@@ -179,7 +179,7 @@ def head_weight(params: Params, cfg: Qwen3Config) -> jax.Array:
 def unembed(params: Params, cfg: Qwen3Config, h: jax.Array) -> jax.Array:
     """Logits in float32 from final hidden states."""
     w = head_weight(params, cfg)
-    if cpu_kernels.applies_matmul(h, w):
+    if isinstance(w, cpu_kernels.Packed):
         return cpu_kernels.matmul(h, w)
     return jax.lax.dot_general(h, w, (((h.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from . import cpu_kernels
 from .checkpoint import LAYERS, Params
 from .model import Model
 
@@ -60,6 +61,7 @@ def spec_for(name: str, shape: tuple[int, ...], n_devices: int, axis: str = AXIS
 def shard_params(params: Params, mesh: Mesh, axis: str = AXIS) -> Params:
     """The parameter tree (inference layout) placed over `mesh` by spec_for."""
     n = mesh.shape[axis]
+    params = cpu_kernels.unpack_tree(params)  # split in the HF layout (XLA's dots then)
 
     def put(name: str, leaf: Any) -> jax.Array:
         return jax.device_put(leaf, NamedSharding(mesh, spec_for(name, leaf.shape, n, axis)))

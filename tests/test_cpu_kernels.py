@@ -91,51 +91,77 @@ def test_build_failure_falls_back_with_a_warning(monkeypatch, tmp_path):
         assert not cpu_kernels.available()
 
 
-@pytest.mark.parametrize("m,d,n", [(1, 64, 100), (3, 384, 640), (8, 24, 33), (16, 128, 8192)])
+def _packed(w):
+    return cpu_kernels.pack(jnp.asarray(w))
+
+
+@pytest.mark.parametrize("m,d,n", [(1, 64, 100), (3, 384, 640), (8, 24, 33), (16, 128, 8192), (5, 20, 7)])
 def test_matmul_matches_numpy(rng, m, d, n):
     x = rng.standard_normal((m, d)).astype(np.float32)
     w = rng.standard_normal((n, d)).astype(np.float32)
-    got = np.asarray(jax.jit(cpu_kernels.matmul)(x, w))
+    got = np.asarray(jax.jit(cpu_kernels.matmul)(x, _packed(w)))
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-4, atol=1e-4)
 
 
 def test_matmul_rows_get_the_same_bits_alone_or_together(rng):
     x = rng.standard_normal((2, 8, 256)).astype(np.float32)  # [..., D]: leading axes flattened
-    w = rng.standard_normal((300, 256)).astype(np.float32)
+    w = _packed(rng.standard_normal((300, 256)).astype(np.float32))
     together = np.asarray(cpu_kernels.matmul(x, w))
     assert together.shape == (2, 8, 300)
     for i in (0, 1):
         for t in (0, 5, 7):
             np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul(x[i, t], w)), together[i, t])
+    sixteen = np.asarray(cpu_kernels.matmul(x.reshape(16, 256), w))  # two passes over each panel
+    np.testing.assert_array_equal(sixteen, together.reshape(16, 300))
 
 
 def test_matmul_gradient_is_the_dot_gradient(rng):
     x = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((24, 32)), jnp.float32)
     loss = lambda f: lambda x, w: jnp.sum(jnp.tanh(f(x, w)))
-    got = jax.grad(loss(cpu_kernels.matmul), argnums=(0, 1))(x, w)
+    gx, gw = jax.grad(loss(cpu_kernels.matmul), argnums=(0, 1))(x, _packed(w))
     want = jax.grad(loss(lambda x, w: x @ w.T), argnums=(0, 1))(x, w)
-    for a, b in zip(got, want):
+    for a, b in zip((gx, gw.unpack()), want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
-def test_matmul_applies_to_few_rows_only():
-    w = jnp.zeros((64, 32), jnp.float32)
-    assert cpu_kernels.applies_matmul(jnp.zeros((1, 16, 32)), w)
-    assert not cpu_kernels.applies_matmul(jnp.zeros((1, 17, 32)), w)  # a prefill chunk
-    assert not cpu_kernels.applies_matmul(jnp.zeros((2, 30)), jnp.zeros((64, 30)))  # D not a multiple of 8
-    assert not cpu_kernels.applies_matmul(jnp.zeros((2, 32), jnp.bfloat16), w.astype(jnp.bfloat16))
+def test_packing_round_trips_and_gathers_rows(rng):
+    w = rng.standard_normal((37, 24)).astype(np.float32)  # 37 rows: the last panel padded
+    packed = _packed(w)
+    assert packed.shape == (37, 24) and packed.panels.shape == (3, 24, 16)
+    np.testing.assert_array_equal(np.asarray(packed.unpack()), w)
+    np.testing.assert_array_equal(np.asarray(packed.panels[2, :, 4]), w[36])  # output n at [n // 16, :, n % 16]
+    assert not np.asarray(packed.panels[2, :, 5:]).any()
+    ids = jnp.asarray([[0, 36], [17, 16]])
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.rows(packed, ids)), w[np.asarray(ids)])
+    tree = {"w": jnp.asarray(w), "norm": jnp.ones(24), "half": jnp.asarray(w, jnp.bfloat16)}
+    packed_tree = cpu_kernels.pack_tree(tree)
+    assert isinstance(packed_tree["w"], cpu_kernels.Packed)
+    assert not isinstance(packed_tree["norm"], cpu_kernels.Packed)  # not a weight matrix
+    assert not isinstance(packed_tree["half"], cpu_kernels.Packed)  # the kernel is float32 only
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_tree(packed_tree)["w"]), w)
+
+
+def test_matmul_of_many_rows_takes_xlas_dot(rng):
+    x = rng.standard_normal((1, 17, 32)).astype(np.float32)  # a prefill chunk
+    w = rng.standard_normal((40, 32)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(cpu_kernels.matmul(x, _packed(w))), x @ w.T, rtol=1e-5, atol=1e-5)
+    assert "specjax_matmul" not in jax.jit(cpu_kernels.matmul).lower(x, _packed(w)).as_text()
+    assert "specjax_matmul" in jax.jit(cpu_kernels.matmul).lower(x[:, :16], _packed(w)).as_text()
 
 
 def test_under_vmap_matmul_and_attention_agree_with_xla(rng):
     """Mapped rows join the kernel's rows (matmul) or take XLA's path (attention, one pool each)."""
     x = jnp.asarray(rng.standard_normal((3, 4, 64)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((40, 64)), jnp.float32)
-    np.testing.assert_allclose(np.asarray(jax.vmap(cpu_kernels.matmul, (0, None))(x, w)),
+    np.testing.assert_allclose(np.asarray(jax.vmap(cpu_kernels.matmul, (0, None))(x, _packed(w))),
                                np.asarray(x @ w.T), rtol=1e-4, atol=1e-4)
     x_many = jnp.asarray(rng.standard_normal((5, 4, 64)), jnp.float32)  # 20 rows: XLA
-    np.testing.assert_allclose(np.asarray(jax.vmap(cpu_kernels.matmul, (0, None))(x_many, w)),
+    np.testing.assert_allclose(np.asarray(jax.vmap(cpu_kernels.matmul, (0, None))(x_many, _packed(w))),
                                np.asarray(x_many @ w.T), rtol=1e-4, atol=1e-4)
+    ws = jnp.asarray(rng.standard_normal((3, 40, 64)), jnp.float32)  # a weight per element
+    got = jax.vmap(lambda x, w: cpu_kernels.matmul(x, _packed(w)))(x, ws)
+    np.testing.assert_allclose(np.asarray(got), np.einsum("bmd,bnd->bmn", x, ws), rtol=1e-4, atol=1e-4)
     cases = [_case(np.random.default_rng(i), 32, 2, 2) for i in range(3)]
     k, v, slot_pos = (jnp.stack([c[i] for c in cases]) for i in (0, 1, 3))
     q = jnp.asarray(rng.standard_normal((3, 2, 2, 4, 32)), jnp.float32)

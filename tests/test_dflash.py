@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import specjax
+from specjax.cpu_kernels import pack_tree, unpack_tree
 from specjax import checkpoint, dflash, qwen3, steps
 from specjax.config import ConfigError
 from specjax import kv as kvlib
@@ -175,10 +176,11 @@ def test_handmade_folder_loads(tiny, handmade):
     cfg = d.cfg
     assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids, cfg.num_target_layers) == (8, 100, (0, 2), 3)
     assert d.dtype == jnp.float32 and d.path == folder
-    qkv = np.asarray(d.params["layers"][1]["self_attn.qkv_proj.weight"])  # loaded in the per-layer layout
+    params = unpack_tree(d.params)  # packed for the CPU kernel where it runs
+    qkv = np.asarray(params["layers"][1]["self_attn.qkv_proj.weight"])  # loaded in the per-layer layout
     want = np.concatenate([t[f"layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
     np.testing.assert_array_equal(qkv, want)
-    np.testing.assert_array_equal(np.asarray(d.params["fc.weight"]), t["fc.weight"])
+    np.testing.assert_array_equal(np.asarray(params["fc.weight"]), t["fc.weight"])
     back = dflash.to_hf(d.params, cfg)
     assert sorted(back) == sorted(t) and all(np.array_equal(np.asarray(back[n]), t[n]) for n in t)
 
@@ -195,7 +197,8 @@ def test_save_load_roundtrip(tiny, drafter16, tmp_path, rng):
     assert same(back.params, drafter16.params)
     feats = rng.standard_normal((2, 16, 64)).astype(np.float32)
     logits = []
-    for d in (drafter16, back):
+    as_loaded = dataclasses.replace(drafter16, params=pack_tree(checkpoint.unstack(drafter16.params, dflash.DRAFT_LAYERS)))
+    for d in (as_loaded, back):
         c = append_context(d.params, d.cfg, init_cache(d.cfg, 256), feats, 11, np.arange(16))
         logits.append(np.asarray(draft_block(d.params, d.cfg, c, target.params, target.config, 7, 11, k=7)))
     np.testing.assert_array_equal(*logits)

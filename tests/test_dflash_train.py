@@ -11,6 +11,7 @@ import pytest
 
 import specjax
 from conftest import assert_trees_equal, hf_tiny, run_crashing_at
+from specjax.cpu_kernels import unpack_tree
 from specjax import dflash, qwen3
 from specjax.dflash import append_context, block_logits, block_mask, draft_block, init_cache
 from train import dflash as trainer
@@ -195,7 +196,7 @@ def test_data_are_the_targets_replies_and_resume(cyclic, data, tmp_path, monkeyp
     with pytest.raises(ValueError, match="another plan or target"):
         generate_data(target, dataclasses.replace(DC, response_len=40), tmp_path)
     retrained = dataclasses.replace(target, params={**target.params, "model.embed_tokens.weight":
-                                                    1.5 * target.params["model.embed_tokens.weight"]})
+                                                    1.5 * unpack_tree(target.params["model.embed_tokens.weight"])})
     with pytest.raises(ValueError, match="another plan or target"):
         generate_data(retrained, DC, tmp_path)
 

@@ -35,6 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 import specjax
+from specjax import cpu_kernels
 from specjax import kv as kvlib
 from specjax import qwen3
 from specjax import sampling as smp
@@ -82,7 +83,7 @@ class DataConfig:
         if not self.sample:
             for key in ("temperature", "top_k", "top_p"):
                 d.pop(key)
-        embed = target.params["model.embed_tokens.weight"].astype(np.float32)
+        embed = cpu_kernels.unpack_tree(target.params["model.embed_tokens.weight"]).astype(np.float32)
         # a retrained target changes its embedding; 5 digits survive dtype and device changes
         d["target"] = {"config": target.config.to_hf(), "embed_abs_mean": float(f"{float(abs(embed).mean()):.5g}")}
         return d

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 
 import specjax
-from specjax import qwen3
+from specjax import cpu_kernels, qwen3
 from train import corpus
 from train.data import encode_documents
 from train.prompts import Prompt, completion_prompts, edit_prompts
@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     bytes_per_token = stats["bytes"] / stats["tokens"]
     report = {
         "model": str(args.model),
-        "parameters": int(sum(np.prod(x.shape) for x in jax.tree.leaves(model.params))),
+        "parameters": int(sum(np.prod(x.shape) for x in jax.tree.leaves(cpu_kernels.unpack_tree(model.params)))),
         "heldout_nats_per_token": loss,
         "heldout_bits_per_byte": loss / math.log(2) / bytes_per_token,
         "rename": rename_accuracy(model, args.edits),

@@ -31,6 +31,7 @@ using specjax::Lanes;
 using specjax::Lanes4;
 using specjax::Load;
 using specjax::ParallelFor;
+using specjax::Splat;
 using specjax::Store;
 using specjax::V8;
 
@@ -118,7 +119,7 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
       for (int i = 0; i < NV; ++i) acc[i] = accs[r * NV + i];
       for (int64_t j = j0; j < j1; ++j) {
         const float* val = vb + static_cast<int64_t>(seen[j]) * E;
-        const V8 pv = V8{} + wrow[j];
+        const V8 pv = Splat(wrow[j]);  // weights are >= +0, so the same bits as before
         for (int i = 0; i < NV; ++i) acc[i] = Fma(pv, Load(val + 8 * i), acc[i]);
       }
       for (int i = 0; i < NV; ++i) accs[r * NV + i] = acc[i];

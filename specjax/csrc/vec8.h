@@ -24,6 +24,9 @@ inline V8 Load(const float* p) {
 
 inline void Store(float* p, V8 x) { std::memcpy(p, &x, sizeof x); }
 
+// x in every lane (one broadcast; `V8{} + x` costs an add as well, which must stay: 0 + -0 is +0).
+inline V8 Splat(float x) { return V8{x, x, x, x, x, x, x, x}; }
+
 // a * b + c, fused where the machine has FMA. Always written out: the kernels build with
 // -ffp-contract=off so that the compiler never fuses some products and not others.
 inline V8 Fma(V8 a, V8 b, V8 c) {

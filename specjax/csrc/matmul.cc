@@ -1,0 +1,112 @@
+// y [M, N] = x [M, D] · wᵀ for the few rows of a decode or verify step (an XLA FFI handler),
+// with the weight w [N, D] stored as panels [ceil(N/16), D, 16]: panel p holds outputs
+// 16p .. 16p+15, column by column (cpu_kernels.pack). XLA:CPU streams a weight at ~23 GB/s
+// for one row but switches to a packed GEMM from two rows on that costs about twice as
+// much for the same bytes (docs/performance.md); here the weight is streamed once for all
+// M rows, split across the intra-op thread pool by panels.
+//
+// A panel is read as one 64-byte line per input column: every row's x[m, k] is broadcast
+// against it, so a pass over the panel keeps 16 outputs per row in registers and needs no
+// horizontal sums (the earlier kernel, one dot product per output in eight lanes, spent
+// nine loads per eight FMAs and ran a verify of 8 rows at ~1.5x one row).
+//
+// Each output is one FMA chain over k = 0 .. D-1 in order, so row m's result is bitwise the
+// same whatever M is and however rows are grouped into passes: the logits of a token in a
+// verify step equal those of the decode step that would have produced it.
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+
+#include "parallel.h"
+#include "vec8.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using specjax::Fma;
+using specjax::Load;
+using specjax::ParallelFor;
+using specjax::Splat;
+using specjax::Store;
+using specjax::V8;
+
+constexpr int64_t kPanel = 16;  // outputs per panel (two vectors of eight)
+constexpr int64_t kAhead = 64;  // columns prefetched ahead (4 kB; 32 and 128 were slower, none 1.5x at M = 8)
+// Rows per pass over a panel: 2 accumulators a row, plus the panel's two vectors and a
+// broadcast, must fit the vector registers (32 with AVX-512VL, 16 with AVX).
+#if defined(__AVX512VL__)
+constexpr int kRows = 8;
+#else
+constexpr int kRows = 4;
+#endif
+
+// Panels [p0, p1) against M <= kRows rows of x; M is a template argument so the
+// accumulators live in registers while the panel streams past.
+template <int M>
+void Panels(const float* x, const float* w, float* y, int64_t D, int64_t N, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const float* panel = w + p * D * kPanel;
+    V8 lo[M], hi[M];
+    for (int m = 0; m < M; ++m) lo[m] = V8{}, hi[m] = V8{};
+    for (int64_t k = 0; k < D; ++k) {
+      __builtin_prefetch(panel + (k + kAhead) * kPanel, 0, 0);
+      const V8 a = Load(panel + k * kPanel), b = Load(panel + k * kPanel + 8);
+      for (int m = 0; m < M; ++m) {
+        const V8 xm = Splat(x[m * D + k]);
+        lo[m] = Fma(xm, a, lo[m]);
+        hi[m] = Fma(xm, b, hi[m]);
+      }
+    }
+    const int64_t n0 = p * kPanel;
+    if (n0 + kPanel <= N) {
+      for (int m = 0; m < M; ++m) Store(y + m * N + n0, lo[m]), Store(y + m * N + n0 + 8, hi[m]);
+    } else {  // the last panel, zero-padded past N
+      for (int m = 0; m < M; ++m)
+        for (int64_t j = 0; n0 + j < N; ++j) y[m * N + n0 + j] = j < 8 ? lo[m][j] : hi[m][j - 8];
+    }
+  }
+}
+
+using PanelsFn = decltype(&Panels<1>);
+
+template <int... Ms>
+PanelsFn Pick(int64_t m, std::integer_sequence<int, Ms...>) {
+  PanelsFn fns[] = {&Panels<Ms + 1>...};
+  return fns[m - 1];
+}
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[1] != xd[1] || wd[2] != kPanel || yd[0] != xd[0])
+    return ffi::Error::InvalidArgument("matmul: expected x [M, D], w [P, D, 16] and y [M, N]");
+  const int64_t M = xd[0], D = xd[1], P = wd[0], N = yd[1];
+  if (M < 1 || M > 16 || N > P * kPanel || N <= (P - 1) * kPanel)
+    return ffi::Error::InvalidArgument("matmul: needs 1 <= M <= 16 and N in the last panel");
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+
+  ParallelFor(pool, P, [&](int64_t p) {
+    // More than kRows rows: passes of kRows over the panel (read again from cache).
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const PanelsFn panels = Pick(std::min<int64_t>(kRows, M - m0), std::make_integer_sequence<int, kRows>{});
+      panels(xp + m0 * D, wp, yp + m0 * N, D, N, p, p + 1);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmul, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
