@@ -4,10 +4,10 @@ the memory-bandwidth floor (docs/performance.md, fourth and seventh passes):
 - `paged_attention`: attention of a step's few queries over the paged KV pool, read in
   place. XLA copies each layer's pool slab and runs YNNPACK batched matmuls at 1-3 GB/s:
   about half of the shipped model's decode step.
-- `matmul`: x [M, D] times a weight [N, D] for M <= 16 rows (decode, verify, drafting),
-  the weight stored as 16-output panels (`Packed`, made at load by `pack_tree`). XLA
-  switches to a packed GEMM from two rows on that costs ~2x a one-row GEMV, so a verify
-  step of 8 tokens cost 2x a decode step; the kernel streams the weight once.
+- `matmul`: x [M, D] times a weight [N, D] (decode, verify, drafting, prefill chunks), the
+  weight stored as 16-output panels (`Packed`, made at load by `pack_tree`). XLA switches
+  to a packed GEMM from two rows on that costs ~2x a one-row GEMV, so a verify step of 8
+  tokens cost 2x a decode step; the kernel streams the weight once for all rows.
 - `kv_write`: a layer's new keys and values into the pools, in place (results alias the
   pools). XLA's per-token `dynamic_update_slice` loop costs ~3 us a token and pool.
 
@@ -52,8 +52,6 @@ HEAD_DIMS = (16, 24, 32, 48, 64, 96, 128)
 # The attention kernel's work grows with the query rows of a call (B * T * G); past this
 # XLA's batched GEMM (prefill chunks) is the better tool.
 MAX_ROWS = 64
-# Rows the matmul kernel is instantiated for (one verify step of the largest width).
-MAX_MATMUL_ROWS = 16
 # Outputs per panel of a packed weight: one 64-byte line per input column (csrc/matmul.cc).
 PANEL = 16
 
@@ -239,7 +237,7 @@ def rows_from(w: jax.Array | Packed, start: int) -> jax.Array | Packed:
 
 
 def _kernel(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
-    """The FFI call for x [M <= 16, D]; under vmap the mapped rows are just more rows."""
+    """The FFI call for x [M, D]; under vmap the mapped rows are just more rows."""
 
     @jax.custom_batching.custom_vmap
     def call(x, panels):
@@ -254,8 +252,7 @@ def _kernel(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
         if not x_batched:
             return call(x, panels), False
         flat = x.reshape(-1, x.shape[-1])
-        out = call(flat, panels) if flat.shape[0] <= MAX_MATMUL_ROWS else flat @ Packed(panels, n).unpack().T
-        return out.reshape(axis_size, x.shape[1], n), True
+        return call(flat, panels).reshape(axis_size, x.shape[1], n), True
 
     return call(x, panels)
 
@@ -278,9 +275,10 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def matmul(x: jax.Array, w: Packed) -> jax.Array:
-    """x [..., D] times a packed weight: [..., N]. The kernel for at most 16 rows where it
-    runs; XLA's dot over the unpacked weight otherwise (prefill chunks, training batches)."""
-    if not (1 <= math.prod(x.shape[:-1]) <= MAX_MATMUL_ROWS and _on_cpu(x, w.panels)):
+    """x [..., D] times a packed weight: [..., N]. The kernel where it runs (float32 x on
+    CPU), for any number of rows, so a prefill chunk's rows get a decode step's bits; XLA's
+    dot over the unpacked weight otherwise."""
+    if not (math.prod(x.shape[:-1]) >= 1 and _on_cpu(x, w.panels)):
         return jax.lax.dot_general(x, w.unpack(), (((x.ndim - 1,), (1,)), ((), ())))
     _require()
     return _matmul(x.reshape(-1, x.shape[-1]), w.panels, w.n).reshape(*x.shape[:-1], w.n)

@@ -142,12 +142,16 @@ def test_packing_round_trips_and_gathers_rows(rng):
     np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_tree(packed_tree)["w"]), w)
 
 
-def test_matmul_of_many_rows_takes_xlas_dot(rng):
-    x = rng.standard_normal((1, 17, 32)).astype(np.float32)  # a prefill chunk
-    w = rng.standard_normal((40, 32)).astype(np.float32)
-    np.testing.assert_allclose(np.asarray(cpu_kernels.matmul(x, _packed(w))), x @ w.T, rtol=1e-5, atol=1e-5)
-    assert "specjax_matmul" not in jax.jit(cpu_kernels.matmul).lower(x, _packed(w)).as_text()
-    assert "specjax_matmul" in jax.jit(cpu_kernels.matmul).lower(x[:, :16], _packed(w)).as_text()
+def test_a_prefill_chunk_gets_each_rows_decode_bits(rng):
+    x = rng.standard_normal((1, 133, 48)).astype(np.float32)  # a prefill chunk: many passes of rows
+    w = _packed(rng.standard_normal((40, 48)).astype(np.float32))
+    chunk = np.asarray(cpu_kernels.matmul(x, w))
+    np.testing.assert_allclose(chunk, x @ np.asarray(w.unpack()).T, rtol=1e-5, atol=1e-5)
+    for t in (0, 9, 132):
+        np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul(x[:, t], w)), chunk[:, t])
+    half = jnp.asarray(x, jnp.bfloat16)  # the kernel is float32 only: XLA's dot
+    assert "specjax_matmul" not in jax.jit(cpu_kernels.matmul).lower(half, w).as_text()
+    assert "specjax_matmul" in jax.jit(cpu_kernels.matmul).lower(x, w).as_text()
 
 
 def test_under_vmap_matmul_and_attention_agree_with_xla(rng):
@@ -156,7 +160,7 @@ def test_under_vmap_matmul_and_attention_agree_with_xla(rng):
     w = jnp.asarray(rng.standard_normal((40, 64)), jnp.float32)
     np.testing.assert_allclose(np.asarray(jax.vmap(cpu_kernels.matmul, (0, None))(x, _packed(w))),
                                np.asarray(x @ w.T), rtol=1e-4, atol=1e-4)
-    x_many = jnp.asarray(rng.standard_normal((5, 4, 64)), jnp.float32)  # 20 rows: XLA
+    x_many = jnp.asarray(rng.standard_normal((5, 4, 64)), jnp.float32)  # 20 mapped rows: one call
     np.testing.assert_allclose(np.asarray(jax.vmap(cpu_kernels.matmul, (0, None))(x_many, _packed(w))),
                                np.asarray(x_many @ w.T), rtol=1e-4, atol=1e-4)
     ws = jnp.asarray(rng.standard_normal((3, 40, 64)), jnp.float32)  # a weight per element

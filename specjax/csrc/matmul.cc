@@ -1,9 +1,10 @@
-// y [M, N] = x [M, D] · wᵀ for the few rows of a decode or verify step (an XLA FFI handler),
+// y [M, N] = x [M, D] · wᵀ for the rows of a decode, verify or prefill step (an XLA FFI handler),
 // with the weight w [N, D] stored as panels [ceil(N/16), D, 16]: panel p holds outputs
 // 16p .. 16p+15, column by column (cpu_kernels.pack). XLA:CPU streams a weight at ~23 GB/s
 // for one row but switches to a packed GEMM from two rows on that costs about twice as
 // much for the same bytes (docs/performance.md); here the weight is streamed once for all
-// M rows, split across the intra-op thread pool by panels.
+// M rows, split across the intra-op thread pool by panels. Many rows (a prefill chunk) are
+// passes over a panel while it sits in L2, faster than XLA's GEMM here (docs/performance.md).
 //
 // A panel is read as one 64-byte line per input column: every row's x[m, k] is broadcast
 // against it, so a pass over the panel keeps 16 outputs per row in registers and needs no
@@ -86,14 +87,14 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[1] != xd[1] || wd[2] != kPanel || yd[0] != xd[0])
     return ffi::Error::InvalidArgument("matmul: expected x [M, D], w [P, D, 16] and y [M, N]");
   const int64_t M = xd[0], D = xd[1], P = wd[0], N = yd[1];
-  if (M < 1 || M > 16 || N > P * kPanel || N <= (P - 1) * kPanel)
-    return ffi::Error::InvalidArgument("matmul: needs 1 <= M <= 16 and N in the last panel");
+  if (M < 1 || N > P * kPanel || N <= (P - 1) * kPanel)
+    return ffi::Error::InvalidArgument("matmul: needs M >= 1 and N in the last panel");
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
 
   ParallelFor(pool, P, [&](int64_t p) {
-    // More than kRows rows: passes of kRows over the panel (read again from cache).
+    // More than kRows rows: passes of kRows over the panel (read again from L1/L2).
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
       const PanelsFn panels = Pick(std::min<int64_t>(kRows, M - m0), std::make_integer_sequence<int, kRows>{});
       panels(xp + m0 * D, wp, yp + m0 * N, D, N, p, p + 1);
