@@ -185,8 +185,8 @@ class Packed:
     n: int = dataclasses.field(metadata={"static": True})
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return (self.n, self.panels.shape[1])
+    def shape(self) -> tuple[int, ...]:
+        return (*self.panels.shape[:-3], self.n, self.panels.shape[-2])
 
     @property
     def dtype(self) -> Any:
@@ -197,8 +197,8 @@ class Packed:
         return self.panels.nbytes
 
     def unpack(self) -> jax.Array:
-        p, d, _ = self.panels.shape
-        return jnp.swapaxes(self.panels, 1, 2).reshape(p * PANEL, d)[:self.n]
+        *batch, p, d, _ = self.panels.shape  # batch: e.g. per-example gradients under vmap
+        return jnp.swapaxes(self.panels, -1, -2).reshape(*batch, p * PANEL, d)[..., :self.n, :]
 
 
 def pack(w: jax.Array) -> Packed:
@@ -221,8 +221,12 @@ def unpack_tree(params: Any) -> Any:
 
 
 def rows(w: jax.Array | Packed, ids: jax.Array) -> jax.Array:
-    """Rows `ids` of a weight [N, D], packed or not (embedding lookups): [*ids.shape, D]."""
+    """Rows `ids` of a weight [N, D], packed or not (embedding lookups): [*ids.shape, D].
+    Out-of-range ids behave as jnp indexing does (negative ones wrap, the rest clamp), never
+    as the panels' zero padding."""
     if isinstance(w, Packed):
+        ids = jnp.asarray(ids)
+        ids = jnp.clip(jnp.where(ids < 0, ids + w.n, ids), 0, w.n - 1)
         return w.panels[ids // PANEL, :, ids % PANEL]
     return w[ids]
 
@@ -257,21 +261,18 @@ def _kernel(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
     return call(x, panels)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
+@partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
     return _kernel(x, panels, n)
 
 
-def _matmul_fwd(x, panels, n):
-    return _kernel(x, panels, n), (x, panels)
-
-
-def _matmul_bwd(n, res, g):  # differentiable like the XLA dot it replaces
-    x, panels = res
-    return g @ Packed(panels, n).unpack(), pack(g.T @ x).panels
-
-
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+@_matmul.defjvp
+def _matmul_jvp(n, primals, tangents):
+    """Differentiable like the XLA dot it replaces, in both modes: the tangent is XLA's dot
+    (linear, so JAX transposes it for gradients; the FFI call has no transpose)."""
+    x, panels = primals
+    dx, dpanels = tangents
+    return _kernel(x, panels, n), dx @ Packed(panels, n).unpack().T + x @ Packed(dpanels, n).unpack().T
 
 
 def matmul(x: jax.Array, w: Packed) -> jax.Array:

@@ -46,6 +46,9 @@ def test_prompt_ids_for_a_folder_without_tokenizer(tmp_path, capsys, rng):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "no tokenizer files" in err and "--prompt-ids" in err and str(tmp_path) in err
+    with pytest.raises(SystemExit) as e:  # the benchmark's prompts are text
+        main(["bench", "--model", str(tmp_path), "--quick", "--no-hf", "--out", str(tmp_path / "bench")])
+    assert e.value.code == 2 and "needs a tokenizer" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,match", [

@@ -115,14 +115,23 @@ def test_matmul_rows_get_the_same_bits_alone_or_together(rng):
     np.testing.assert_array_equal(sixteen, together.reshape(16, 300))
 
 
-def test_matmul_gradient_is_the_dot_gradient(rng):
+def test_matmul_derivatives_are_the_dots_in_both_modes(rng):
     x = jnp.asarray(rng.standard_normal((4, 32)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((24, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((24, 32)), jnp.float32)  # 24 rows: the last panel padded
     loss = lambda f: lambda x, w: jnp.sum(jnp.tanh(f(x, w)))
     gx, gw = jax.grad(loss(cpu_kernels.matmul), argnums=(0, 1))(x, _packed(w))
     want = jax.grad(loss(lambda x, w: x @ w.T), argnums=(0, 1))(x, w)
     for a, b in zip((gx, gw.unpack()), want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    assert not np.asarray(gw.panels[1, :, 8:]).any()  # no gradient into the padding
+    dx, dw = (jnp.asarray(rng.standard_normal(a.shape), jnp.float32) for a in (x, w))
+    _, got = jax.jvp(loss(cpu_kernels.matmul), (x, _packed(w)), (dx, _packed(dw)))
+    _, want = jax.jvp(loss(lambda x, w: x @ w.T), (x, w), (dx, dw))
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-4)
+    per_row = jax.vmap(jax.grad(loss(cpu_kernels.matmul), argnums=1), (0, None))(x[:, None], _packed(w))
+    assert per_row.shape == (4, 24, 32)  # a batch of packed gradients unpacks
+    np.testing.assert_allclose(np.asarray(per_row.unpack().sum(0)), np.asarray(gw.unpack()),
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_packing_round_trips_and_gathers_rows(rng):
@@ -134,6 +143,8 @@ def test_packing_round_trips_and_gathers_rows(rng):
     assert not np.asarray(packed.panels[2, :, 5:]).any()
     ids = jnp.asarray([[0, 36], [17, 16]])
     np.testing.assert_array_equal(np.asarray(cpu_kernels.rows(packed, ids)), w[np.asarray(ids)])
+    wild = jnp.asarray([-1, 37, 40, 47])  # out of range: as jnp indexing (wrap, clamp), not the padding
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.rows(packed, wild)), np.asarray(jnp.asarray(w)[wild]))
     tree = {"w": jnp.asarray(w), "norm": jnp.ones(24), "half": jnp.asarray(w, jnp.bfloat16)}
     packed_tree = cpu_kernels.pack_tree(tree)
     assert isinstance(packed_tree["w"], cpu_kernels.Packed)

@@ -100,4 +100,7 @@ def workload(tokenizer: Any, kind: str, n: int, prompt_tokens: int, seed: int = 
     """Prompts of one workload by name."""
     if kind not in MAKERS:
         raise PromptError(f"unknown workload {kind!r}; choose from {sorted(MAKERS)}")
+    if tokenizer is None:
+        raise PromptError("the benchmark's prompts are text: the model folder needs a tokenizer "
+                          "(tokenizer.json or tokenizer_config.json)")
     return MAKERS[kind](tokenizer, n, prompt_tokens, seed)
