@@ -240,6 +240,11 @@ def rows_from(w: jax.Array | Packed, start: int) -> jax.Array | Packed:
     return w.unpack()[start:]
 
 
+def _dense(x: jax.Array, w: Packed) -> jax.Array:
+    """XLA's dot over the unpacked weight (where the kernel does not apply, and tangents)."""
+    return x @ w.unpack().T
+
+
 def _kernel(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
     """The FFI call for x [M, D]; under vmap the mapped rows are just more rows."""
 
@@ -252,7 +257,7 @@ def _kernel(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
         x_batched, w_batched = in_batched
         if w_batched:  # one weight per mapped element: XLA
             x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-            return jax.vmap(lambda x, p: x @ Packed(p, n).unpack().T)(x, panels), True
+            return jax.vmap(lambda x, p: _dense(x, Packed(p, n)))(x, panels), True
         if not x_batched:
             return call(x, panels), False
         flat = x.reshape(-1, x.shape[-1])
@@ -272,7 +277,7 @@ def _matmul_jvp(n, primals, tangents):
     (linear, so JAX transposes it for gradients; the FFI call has no transpose)."""
     x, panels = primals
     dx, dpanels = tangents
-    return _kernel(x, panels, n), dx @ Packed(panels, n).unpack().T + x @ Packed(dpanels, n).unpack().T
+    return _kernel(x, panels, n), _dense(dx, Packed(panels, n)) + _dense(x, Packed(dpanels, n))
 
 
 def matmul(x: jax.Array, w: Packed) -> jax.Array:
@@ -280,6 +285,6 @@ def matmul(x: jax.Array, w: Packed) -> jax.Array:
     CPU), for any number of rows, so a prefill chunk's rows get a decode step's bits; XLA's
     dot over the unpacked weight otherwise."""
     if not (math.prod(x.shape[:-1]) >= 1 and _on_cpu(x, w.panels)):
-        return jax.lax.dot_general(x, w.unpack(), (((x.ndim - 1,), (1,)), ((), ())))
+        return _dense(x, w)
     _require()
     return _matmul(x.reshape(-1, x.shape[-1]), w.panels, w.n).reshape(*x.shape[:-1], w.n)
