@@ -61,10 +61,10 @@ def run_crashing_at(monkeypatch, module, step: int, run) -> None:
     restore batch_at; the caller resumes and compares against an uninterrupted run."""
     real = module.batch_at
 
-    def crashing(data, tc, s):
+    def crashing(data, tc, s, *rest):
         if s == step:
             raise RuntimeError("killed")
-        return real(data, tc, s)
+        return real(data, tc, s, *rest)
 
     monkeypatch.setattr(module, "batch_at", crashing)
     with pytest.raises(RuntimeError, match="killed"):

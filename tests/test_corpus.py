@@ -1,14 +1,13 @@
 """The corpus split is fixed and disjoint, and training never sees held-out files."""
 
-import re
+import itertools
+import random
 import zlib
 
 import numpy as np
 
 from train import corpus, data
-from train.edits import render_prompt, rename_identifier
-
-INSTRUCTION = re.compile(r"^# Rename `(\w+)` to `(\w+)`\.\n", re.MULTILINE)
+from train.edits import INSTRUCTION, edit_examples, render_prompt, rename_identifier
 
 
 def _stripped_lines(text: str) -> str:
@@ -82,12 +81,17 @@ def test_copy_drills_repeat_their_span_and_keep_every_document():
     eos = 0
     docs = [np.append(rng.integers(1, 500, size=int(rng.integers(5, 300))), eos) for _ in range(60)]
     tokens = np.concatenate(docs).astype(np.uint16)
-    mixed, drill_tokens = data._with_drills(tokens, eos, 0.3, seed=int(rng.integers(2**31)))
-    pieces = np.split(mixed, np.flatnonzero(mixed == eos)[:-1] + 1)
+    focus = np.concatenate([rng.random(d.size) < 0.2 for d in docs])
+    doc_focus = dict(zip(map(tuple, docs), np.split(focus, np.cumsum([d.size for d in docs])[:-1])))
+    mixed, mixed_focus, drill_tokens = data._with_drills(tokens, focus, eos, 0.3, seed=int(rng.integers(2**31)))
+    cuts = np.flatnonzero(mixed == eos)[:-1] + 1
+    pieces, piece_focus = np.split(mixed, cuts), np.split(mixed_focus, cuts)
     originals = [tuple(d) for d in docs]
     drills = [p for p in pieces if tuple(p) not in set(originals)]
-    # Every document survives intact, once, and nothing else is added but drills.
+    # Every document survives intact, once, with its focus; nothing else is added but drills.
     assert sorted(tuple(p) for p in pieces if tuple(p) in set(originals)) == sorted(originals)
+    for p, f in zip(pieces, piece_focus):
+        assert np.array_equal(f, doc_focus.get(tuple(p), np.zeros(p.size, bool)))
     assert sum(d.size for d in drills) == drill_tokens == mixed.size - tokens.size
     assert abs(drill_tokens / mixed.size - 0.3) < 0.05
     for d in drills:
@@ -95,3 +99,32 @@ def test_copy_drills_repeat_their_span_and_keep_every_document():
         half = span.size // 2
         assert d[-1] == eos and span.size % 2 == 0 and half >= 16
         assert np.array_equal(span[:half], span[half:]) and eos not in span
+
+
+def test_focus_marks_the_new_names_of_edit_replies_and_the_token_after_each():
+    """Token extents come from decoding prefixes (not the tokenizer's offsets), the new
+    name's places from a plain substring search (it is fresh: it occurs only where renamed)."""
+    from tokenizers import Tokenizer
+
+    from test_tokenizer import SHIPPED
+    from train.tokenizer import EOS
+
+    tok = Tokenizer.from_file(str(SHIPPED / "tokenizer.json"))
+    seed = random.SystemRandom().randrange(2**32)
+    source = (corpus.stdlib_root() / "argparse.py").read_text(encoding="utf-8")
+    examples = [ex for ex in itertools.islice(edit_examples([source], random.Random(seed)), 12) if ex.text.isascii()]
+    docs = [source[:3000]] + [ex.text for ex in examples]
+    tokens, focus, stats = data.encode_documents(tok, docs, "test")
+    assert focus.shape == tokens.shape and focus.dtype == bool and stats["focus_tokens"] == focus.sum()
+    ends = np.flatnonzero(tokens == tok.token_to_id(EOS))
+    assert len(ends) == len(docs) and not focus[: ends[0] + 1].any() and not focus[ends].any()
+    for ex, start, end in zip(examples, ends[:-1] + 1, ends[1:]):
+        ids = tokens[start:end].tolist()
+        at = [len(tok.decode(ids[:i])) for i in range(len(ids) + 1)]
+        spans = [(i, i + len(ex.new)) for i in range(len(ex.prompt), len(ex.text)) if ex.text.startswith(ex.new, i)]
+        want = np.zeros(len(ids), bool)
+        for s, e in spans:
+            want |= [a < e and b > s for a, b in zip(at, at[1:])]
+            after = [i for i, a in enumerate(at[:-1]) if a >= e]
+            want[after[:1]] = True
+        assert spans and np.array_equal(focus[start:end], want), f"seed={seed} {ex.old}->{ex.new}"

@@ -9,7 +9,7 @@ import tokenize
 import pytest
 
 from train import corpus
-from train.edits import edit_examples, make_edit, rename_identifier, render_prompt
+from train.edits import edit_examples, make_edit, rename_identifier, renamed_spans, render_prompt
 
 MODULES = ("argparse.py", "json/decoder.py", "textwrap.py", "email/message.py", "asyncio/tasks.py")
 
@@ -57,6 +57,25 @@ def test_edits_of_real_snippets(module):
         assert sum(t.string == ex.old for t in _tokens(ex.snippet)) >= 2, context
         assert 10 <= ex.snippet.count("\n") <= 40, context
         assert_only_name_changed(ex.snippet, ex.answer, ex.old, ex.new)
+
+
+@pytest.mark.parametrize("module", MODULES[:3])
+def test_renamed_spans_are_the_new_names_of_the_answer(module):
+    """Putting the old name back at the spans gives the snippet; any other text has none."""
+    seed = random.SystemRandom().randrange(2**32)
+    source = (corpus.stdlib_root() / module).read_text(encoding="utf-8")
+    assert renamed_spans(source) == []
+    for ex in itertools.islice(edit_examples([source], random.Random(seed)), 10):
+        spans = renamed_spans(ex.text)
+        assert len(spans) == sum(t.type == tokenize.NAME and t.string == ex.old for t in _tokens(ex.snippet))
+        assert spans[0][0] >= len(ex.prompt) and all(ex.text[s:e] == ex.new for s, e in spans)
+        pieces, pos = [], len(ex.prompt)
+        for s, e in spans:
+            pieces += [ex.text[pos:s], ex.old]
+            pos = e
+        assert "".join(pieces) + ex.text[pos:] == ex.snippet, f"seed={seed}"
+        assert renamed_spans(ex.prompt + ex.answer.replace(ex.new, ex.new + "x", 1)) == []  # not the rename
+        assert renamed_spans(ex.prompt) == []  # no answer
 
 
 def test_new_name_follows_old_style_and_no_candidates_gives_none():
@@ -120,3 +139,5 @@ def test_teacher_forced_hits_match_transformers_and_split_on_the_new_name():
     assert is_new.sum() >= 3  # the three renamed occurrences, `spammy` untouched
     assert got["rename"] == (int(hits[is_new].sum()), int(is_new.sum()))
     assert got["copy"] == (int(hits[~is_new].sum()), int((~is_new).sum()))
+    firsts = [next(i for i, (a, b) in enumerate(zip(starts, starts[1:])) if a < e and b > s) for s, e in spans]
+    assert len(firsts) == 3 and got["first"] == (int(hits[firsts].sum()), 3)

@@ -22,13 +22,59 @@ def test_loss_decreases_on_a_fixed_batch():
     step = lm.make_train_step(CFG, TC)  # (the same compiled step as the resume test)
     state = lm.initial_state(CFG, TC)
     params, opt_state = state["params"], state["opt_state"]
-    batch = lm.batch_at(_tokens(0, 1000), TC, 0)
+    batch = lm.batch_at(_tokens(0, 1000), TC, 0)  # (windows, None)
     losses = []
     for _ in range(40):  # past TC.steps the schedule stays at its final 10 % of the peak
         params, opt_state, loss = step(params, opt_state, batch)
         losses.append(float(loss))
     assert losses[0] > np.log(CFG.vocab_size) - 0.5
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_weighted_loss_is_the_weighted_mean_of_token_cross_entropies():
+    """Re-derived with a NumPy log-softmax over the model's logits."""
+    from specjax import qwen3
+
+    rng = np.random.default_rng()
+    params = lm.initial_state(CFG, TC)["params"]
+    windows = rng.integers(0, CFG.vocab_size, (2, 17)).astype(np.int32)
+    weights = rng.uniform(0.1, 5.0, windows.shape).astype(np.float32)
+    logits, _, _ = qwen3.forward(params, CFG, windows[:, :-1], np.arange(16)[None].repeat(2, 0))
+    logits = np.asarray(logits, np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    ce = -np.take_along_axis(logp, windows[:, 1:, None], -1)[..., 0]
+    assert np.isclose(float(lm.loss_fn(params, CFG, windows)), ce.mean(), rtol=1e-5)
+    want = (ce * weights[:, 1:]).sum() / weights[:, 1:].sum()
+    assert np.isclose(float(lm.loss_fn(params, CFG, windows, weights)), want, rtol=1e-5)
+
+
+def test_rename_weight_weighs_focus_tokens_and_trains_them_first():
+    """batch_at puts rename_weight on the focus tokens of the same windows; with a large
+    weight a fixed batch's focus targets are learned faster than with none."""
+    import dataclasses
+
+    tokens = _tokens(3, 2000)
+    focus = np.random.default_rng().random(tokens.size) < 0.05
+    heavy = dataclasses.replace(TC, rename_weight=30.0)
+    windows, weights = lm.batch_at(tokens, heavy, 0, focus)
+    plain, none = lm.batch_at(tokens, heavy, 0)
+    assert none is None and np.array_equal(windows, plain)
+    starts = [np.flatnonzero([np.array_equal(tokens[s:s + TC.seq + 1], w) for s in range(tokens.size - TC.seq)])[0]
+              for w in windows]
+    want = np.stack([np.where(focus[s:s + TC.seq + 1], 30.0, 1.0) for s in starts])
+    assert np.array_equal(weights, want)
+
+    def focus_loss(tc):
+        step = lm.make_train_step(CFG, tc)
+        state = lm.initial_state(CFG, tc)
+        params, opt_state = state["params"], state["opt_state"]
+        for _ in range(15):
+            params, opt_state, _ = step(params, opt_state, (windows, weights if tc is heavy else None))
+        targets = (weights[:, 1:] > 1).astype(np.float32)
+        return float(lm.loss_fn(params, CFG, windows, np.pad(targets, ((0, 0), (1, 0)))))
+
+    assert focus_loss(heavy) < focus_loss(TC) - 0.3
 
 
 def test_kill_and_resume_continues_identically(tmp_path, monkeypatch):
@@ -77,7 +123,11 @@ def test_stage_commands_name_a_missing_input_and_exit_2(tmp_path):
     import subprocess
     import sys
 
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "meta.json").write_text('{"eos_id": 0, "heldout": {"bytes": 4, "tokens": 1}}')
     for argv, named in ((["train.target", "--data", str(tmp_path / "nope")], "nope/meta.json"),
+                        (["train.target", "--data", str(tmp_path / "shards"), "--rename-weight", "4"],
+                         "shards/train_focus.npy"),
                         (["train.evaluate", "--model", str(tmp_path / "gone")], "gone: not a directory")):
         proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, cwd=tmp_path)
         assert proc.returncode == 2, proc.stderr

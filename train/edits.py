@@ -20,6 +20,7 @@ import io
 import itertools
 import keyword
 import random
+import re
 import textwrap
 import tokenize
 from collections import Counter
@@ -60,24 +61,55 @@ def render_prompt(snippet: str, old: str, new: str) -> str:
     return f"{snippet}# Rename `{old}` to `{new}`.\n"
 
 
+# The instruction line of render_prompt, at the start of a line.
+INSTRUCTION = re.compile(r"^# Rename `(\w+)` to `(\w+)`\.\n", re.MULTILINE)
+
+
 def _lines(source: str) -> list[str]:
     # tokenize splits lines on "\n" only (not on "\f" etc. like str.splitlines).
     return io.StringIO(source).readlines()
+
+
+def name_spans(source: str, name: str) -> list[tuple[int, int]]:
+    """Character spans ``(start, end)`` of the NAME tokens of ``source`` equal to ``name``.
+
+    Raises whatever :mod:`tokenize` raises on source it cannot tokenize."""
+    line_starts = list(itertools.accumulate(map(len, _lines(source)), initial=0))
+    return [(start, start + len(name))
+            for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type == tokenize.NAME and tok.string == name
+            for start in [line_starts[tok.start[0] - 1] + tok.start[1]]]
 
 
 def rename_identifier(source: str, old: str, new: str) -> str:
     """``source`` with every NAME token equal to ``old`` replaced by ``new``.
 
     Raises whatever :mod:`tokenize` raises on source it cannot tokenize."""
-    line_starts = list(itertools.accumulate(map(len, _lines(source)), initial=0))
     pieces, pos = [], 0
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.NAME and tok.string == old:
-            start = line_starts[tok.start[0] - 1] + tok.start[1]
-            pieces += [source[pos:start], new]
-            pos = start + len(old)
+    for start, end in name_spans(source, old):
+        pieces += [source[pos:start], new]
+        pos = end
     pieces.append(source[pos:])
     return "".join(pieces)
+
+
+def renamed_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans of the new name in the answer of an edit document (``prompt +
+    answer``, :attr:`EditExample.text`); empty for any other text.
+
+    These are the places where copying the snippet is wrong: the loss can weigh them
+    (``train.lm --rename-weight``) and evaluation scores them apart."""
+    m = INSTRUCTION.search(text)
+    if m is None:
+        return []
+    snippet, answer = text[:m.start()], text[m.end():]
+    old, new = m.groups()
+    try:
+        if rename_identifier(snippet, old, new) != answer:
+            return []
+        return [(m.end() + s, m.end() + e) for s, e in name_spans(answer, new)]
+    except (tokenize.TokenError, SyntaxError):
+        return []
 
 
 def sample_snippet(source: str, rng: random.Random) -> str | None:

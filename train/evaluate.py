@@ -10,7 +10,6 @@ import argparse
 import difflib
 import json
 import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import optax
 
 import specjax
 from specjax import cpu_kernels, qwen3
-from train import corpus
+from train import corpus, edits
 from train.data import encode_documents
 from train.prompts import Prompt, completion_prompts, edit_prompts
 
@@ -56,18 +55,25 @@ def line_match(got: str, want: str) -> tuple[float, float]:
 
 def teacher_forced_hits(model: specjax.Model, prompt: Prompt) -> dict:
     """Greedy next-token hits on the reply of an edit prompt given the true reply so far,
-    split into tokens that touch the new name and the rest (the copied snippet): whether
-    the model copies, and whether it renames, before it gets whole edits right."""
+    as (hits, total) for: the tokens that write the new name ("rename"), the first of them
+    at each occurrence, where the reply must stop copying the snippet ("first"), and all
+    other tokens ("copy"). Whether the model copies, and whether it renames, before it gets
+    whole edits right."""
     tok = model.tokenizer
-    new = re.search(r"# Rename `\w+` to `(\w+)`\.\n$", tok.decode(prompt.ids[-60:])).group(1)
-    renamed = [m.span() for m in re.finditer(rf"\b{new}\b", prompt.answer)]
+    new = edits.INSTRUCTION.findall(tok.decode(prompt.ids[-60:]))[-1][1]
     enc = tok(prompt.answer, return_offsets_mapping=True)
     ids = np.asarray(prompt.ids + enc["input_ids"], np.int32)
     logits, _, _ = qwen3.forward(model.params, model.config, ids[None, :-1], np.arange(len(ids) - 1)[None])
     hits = np.asarray(jnp.argmax(logits[0, len(prompt.ids) - 1:], -1)) == ids[len(prompt.ids):]
-    is_new = np.array([any(s < e2 and e > s2 for s2, e2 in renamed) for s, e in enc["offset_mapping"]], bool)
+    starts, ends = np.asarray(enc["offset_mapping"]).T
+    is_new, first = np.zeros(len(hits), bool), np.zeros(len(hits), bool)
+    for s, e in edits.name_spans(prompt.answer, new):
+        overlap = (starts < e) & (ends > s)
+        is_new |= overlap
+        first[np.argmax(overlap)] = True
     return {"copy": (int(hits[~is_new].sum()), int((~is_new).sum())),
-            "rename": (int(hits[is_new].sum()), int(is_new.sum()))}
+            "rename": (int(hits[is_new].sum()), int(is_new.sum())),
+            "first": (int(hits[first].sum()), int(first.sum()))}
 
 
 def rename_accuracy(model: specjax.Model, n: int, prompt_tokens: int = 300) -> dict:
@@ -77,7 +83,7 @@ def rename_accuracy(model: specjax.Model, n: int, prompt_tokens: int = 300) -> d
     token accuracy on the copied and on the renamed tokens (:func:`teacher_forced_hits`)."""
     tok = model.tokenizer
     right, prefix, lines, similar = 0, 0.0, 0.0, 0.0
-    hits = {"copy": [0, 0], "rename": [0, 0]}
+    hits = {"copy": [0, 0], "rename": [0, 0], "first": [0, 0]}
     for p in edit_prompts(tok, n, prompt_tokens, seed=1):
         for kind, (h, total) in teacher_forced_hits(model, p).items():
             hits[kind][0] += h
@@ -113,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--samples", type=int, default=3)
     args = ap.parse_args(argv)
     model = specjax.load(args.model)
-    tokens, stats = encode_documents(model.tokenizer.backend_tokenizer, corpus.heldout_documents(), "held-out files")
+    tokens, _, stats = encode_documents(model.tokenizer.backend_tokenizer, corpus.heldout_documents(), "held-out files")
     loss = heldout_loss(model, tokens)
     bytes_per_token = stats["bytes"] / stats["tokens"]
     report = {

@@ -1,9 +1,10 @@
 """Causal-LM training loop shared by ``train.target`` and ``train.draft``.
 
-Next-token cross-entropy on random windows of a token shard (:mod:`train.data`), optax
-AdamW (b2 0.95, weight decay 0.1 on matrices only) after global-norm clipping 1.0, with a
-warmup + cosine schedule down to 10 % of the peak. One jitted step donates params and
-optimizer state.
+Next-token cross-entropy on random windows of a token shard (:mod:`train.data`; with
+``--rename-weight W`` the shard's focus tokens, where rename replies must stop copying,
+count W times in the training loss), optax AdamW (b2 0.95, weight decay 0.1 on matrices
+only) after global-norm clipping 1.0, with a warmup + cosine schedule down to 10 % of the
+peak. One jitted step donates params and optimizer state.
 
 Resume: an orbax ``CheckpointManager`` (last 2 kept, indexed by step) under
 ``<ckpt-dir>/orbax`` holds params, optimizer state and a JSON record (best held-out loss,
@@ -43,7 +44,7 @@ from tqdm import tqdm
 from specjax import checkpoint, qwen3
 from specjax.config import Qwen3Config
 from specjax.runtime import enable_compilation_cache
-from train.data import load_shard, random_batches
+from train.data import FOCUS_FILE, load_shard, random_batches
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -63,6 +64,7 @@ class TrainConfig:
     eval_batches: int = 16
     save_every_minutes: float = 5.0
     seed: int = 0
+    rename_weight: float = 1.0  # loss weight of the shard's focus tokens (train.data.focus_mask)
 
 
 @functools.cache
@@ -84,22 +86,27 @@ def make_optimizer(tc: Any) -> optax.GradientTransformation:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def loss_fn(params: Any, cfg: Qwen3Config, windows: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy (nats) of windows [B, T+1]."""
+def loss_fn(params: Any, cfg: Qwen3Config, windows: jax.Array, weights: jax.Array | None = None) -> jax.Array:
+    """Next-token cross-entropy (nats) of windows [B, T+1]: the mean, or the mean weighted
+    by ``weights`` [B, T+1] (aligned with ``windows``; a target's weight is at its place)."""
     tokens, targets = windows[:, :-1], windows[:, 1:]
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     logits, _, _ = qwen3.forward(params, cfg, tokens, positions)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    if weights is None:
+        return ce.mean()
+    return (ce * weights[:, 1:]).sum() / weights[:, 1:].sum()
 
 
 @functools.cache
 def make_train_step(cfg: Qwen3Config, tc: TrainConfig) -> Callable:
-    """Jitted ``(params, opt_state, windows) -> (params, opt_state, loss)``; donates state.
-    Cached per (cfg, tc), so a resumed run in the same process does not recompile."""
+    """Jitted ``(params, opt_state, (windows, weights)) -> (params, opt_state, loss)``
+    (weights None or [B, T+1], :func:`batch_at`); donates state. Cached per (cfg, tc), so
+    a resumed run in the same process does not recompile."""
     optimizer = make_optimizer(tc)
 
-    def step(params, opt_state, windows):
-        loss, grads = jax.value_and_grad(loss_fn)(params, cfg, windows)
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, cfg, *batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -133,9 +140,14 @@ def state_from_folder(folder: Path, cfg: Qwen3Config, tc: TrainConfig) -> dict:
     return {"params": params, "opt_state": make_optimizer(tc).init(params)}
 
 
-def batch_at(tokens: np.ndarray, tc: TrainConfig, step: int) -> np.ndarray:
-    """The training batch of ``step`` (a pure function of seed and step)."""
-    return random_batches(tokens, tc.batch, tc.seq, np.random.default_rng((tc.seed, step)))
+def batch_at(tokens: np.ndarray, tc: TrainConfig, step: int,
+             focus: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The training batch of ``step`` (a pure function of seed and step): windows, and
+    loss weights (``tc.rename_weight`` on focus tokens, 1 elsewhere) when ``focus`` is given."""
+    windows, marks = random_batches(tokens, tc.batch, tc.seq, np.random.default_rng((tc.seed, step)), focus)
+    if marks is None:
+        return windows, None
+    return windows, np.where(marks, np.float32(tc.rename_weight), np.float32(1.0))
 
 
 class Checkpoints:
@@ -176,11 +188,14 @@ def export(out: Path, params: Any, cfg: Qwen3Config, tokenizer_dir: Path | None)
 
 def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_tokens: np.ndarray,
           ckpt_dir: Path, export_dir: Path | None = None, tokenizer_dir: Path | None = None,
-          heldout_bytes_per_token: float | None = None, init: Path | None = None) -> dict:
+          heldout_bytes_per_token: float | None = None, init: Path | None = None,
+          train_focus: np.ndarray | None = None) -> dict:
     """Train (or resume) until ``tc.steps``; returns the final {"params", "opt_state", "step"}.
 
     A fresh run starts from random weights, or from the HF folder `init` (fine-tuning:
     a new optimiser state and schedule; the folder's config must be `cfg`'s model).
+    With ``train_focus`` (the shard's focus mask) the training loss weighs focus tokens by
+    ``tc.rename_weight``; held-out loss stays the plain mean.
 
     Saves a checkpoint every ``tc.save_every_minutes`` (0: every step), on Ctrl-C and at
     the end; any other exception propagates without a final save (like a crash)."""
@@ -223,7 +238,7 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
 
     def advance(step: int) -> dict:
         nonlocal params, opt_state
-        params, opt_state, loss = train_step(params, opt_state, batch_at(train_tokens, tc, step))
+        params, opt_state, loss = train_step(params, opt_state, batch_at(train_tokens, tc, step, train_focus))
         return {"loss": loss}
 
     try:
@@ -310,7 +325,12 @@ def main(presets: dict[str, Qwen3Config], default: str, argv: Sequence[str] | No
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` saves like Ctrl-C
     tc = config_from_args(args, TrainConfig)
     meta = json.loads((args.data / "meta.json").read_text())
+    focus = None
+    if tc.rename_weight != 1.0:
+        if not (args.data / FOCUS_FILE).is_file():
+            p.error(f"--rename-weight needs {args.data / FOCUS_FILE}: rebuild the shards with python -m train.data")
+        focus = load_shard(args.data / FOCUS_FILE)
     cfg = dataclasses.replace(presets[args.config], max_position_embeddings=tc.seq, eos_token_id=meta["eos_id"])
     train(cfg, tc, load_shard(args.data / "train.npy"), load_shard(args.data / "heldout.npy"),
           args.ckpt_dir or Path("runs") / args.config, args.export, args.tokenizer,
-          meta["heldout"]["bytes"] / meta["heldout"]["tokens"], args.init)
+          meta["heldout"]["bytes"] / meta["heldout"]["tokens"], args.init, focus)
