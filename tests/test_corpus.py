@@ -81,17 +81,17 @@ def test_copy_drills_repeat_their_span_and_keep_every_document():
     eos = 0
     docs = [np.append(rng.integers(1, 500, size=int(rng.integers(5, 300))), eos) for _ in range(60)]
     tokens = np.concatenate(docs).astype(np.uint16)
-    focus = np.concatenate([rng.random(d.size) < 0.2 for d in docs])
-    doc_focus = dict(zip(map(tuple, docs), np.split(focus, np.cumsum([d.size for d in docs])[:-1])))
-    mixed, mixed_focus, drill_tokens = data._with_drills(tokens, focus, eos, 0.3, seed=int(rng.integers(2**31)))
+    marks = np.concatenate([rng.integers(0, 3, d.size) for d in docs]).astype(np.uint8)
+    doc_marks = dict(zip(map(tuple, docs), np.split(marks, np.cumsum([d.size for d in docs])[:-1])))
+    mixed, mixed_marks, drill_tokens = data._with_drills(tokens, marks, eos, 0.3, seed=int(rng.integers(2**31)))
     cuts = np.flatnonzero(mixed == eos)[:-1] + 1
-    pieces, piece_focus = np.split(mixed, cuts), np.split(mixed_focus, cuts)
+    pieces, piece_marks = np.split(mixed, cuts), np.split(mixed_marks, cuts)
     originals = [tuple(d) for d in docs]
     drills = [p for p in pieces if tuple(p) not in set(originals)]
-    # Every document survives intact, once, with its focus; nothing else is added but drills.
+    # Every document survives intact, once, with its marks; nothing else is added but drills.
     assert sorted(tuple(p) for p in pieces if tuple(p) in set(originals)) == sorted(originals)
-    for p, f in zip(pieces, piece_focus):
-        assert np.array_equal(f, doc_focus.get(tuple(p), np.zeros(p.size, bool)))
+    for p, m in zip(pieces, piece_marks):
+        assert np.array_equal(m, doc_marks.get(tuple(p), np.full(p.size, data.PLAIN)))
     assert sum(d.size for d in drills) == drill_tokens == mixed.size - tokens.size
     assert abs(drill_tokens / mixed.size - 0.3) < 0.05
     for d in drills:
@@ -101,7 +101,7 @@ def test_copy_drills_repeat_their_span_and_keep_every_document():
         assert np.array_equal(span[:half], span[half:]) and eos not in span
 
 
-def test_focus_marks_the_new_names_of_edit_replies_and_the_token_after_each():
+def test_marks_label_edit_replies_their_new_names_and_the_token_after_each():
     """Token extents come from decoding prefixes (not the tokenizer's offsets), the new
     name's places from a plain substring search (it is fresh: it occurs only where renamed)."""
     from tokenizers import Tokenizer
@@ -114,17 +114,18 @@ def test_focus_marks_the_new_names_of_edit_replies_and_the_token_after_each():
     source = (corpus.stdlib_root() / "argparse.py").read_text(encoding="utf-8")
     examples = [ex for ex in itertools.islice(edit_examples([source], random.Random(seed)), 12) if ex.text.isascii()]
     docs = [source[:3000]] + [ex.text for ex in examples]
-    tokens, focus, stats = data.encode_documents(tok, docs, "test")
-    assert focus.shape == tokens.shape and focus.dtype == bool and stats["focus_tokens"] == focus.sum()
+    tokens, marks, stats = data.encode_documents(tok, docs, "test")
+    assert marks.shape == tokens.shape and marks.dtype == np.uint8
+    assert (stats["reply_tokens"], stats["renamed_tokens"]) == ((marks == 1).sum(), (marks == 2).sum())
     ends = np.flatnonzero(tokens == tok.token_to_id(EOS))
-    assert len(ends) == len(docs) and not focus[: ends[0] + 1].any() and not focus[ends].any()
+    assert len(ends) == len(docs) and not marks[: ends[0] + 1].any() and not marks[ends].any()
     for ex, start, end in zip(examples, ends[:-1] + 1, ends[1:]):
         ids = tokens[start:end].tolist()
         at = [len(tok.decode(ids[:i])) for i in range(len(ids) + 1)]
         spans = [(i, i + len(ex.new)) for i in range(len(ex.prompt), len(ex.text)) if ex.text.startswith(ex.new, i)]
-        want = np.zeros(len(ids), bool)
+        want = np.where(np.asarray(at[:-1]) >= len(ex.prompt), 1, 0)  # the reply: tokens starting in the answer
         for s, e in spans:
-            want |= [a < e and b > s for a, b in zip(at, at[1:])]
+            want[[a < e and b > s for a, b in zip(at, at[1:])]] = 2
             after = [i for i, a in enumerate(at[:-1]) if a >= e]
-            want[after[:1]] = True
-        assert spans and np.array_equal(focus[start:end], want), f"seed={seed} {ex.old}->{ex.new}"
+            want[after[:1]] = 2
+        assert spans and np.array_equal(marks[start:end], want), f"seed={seed} {ex.old}->{ex.new}"

@@ -9,7 +9,7 @@ import tokenize
 import pytest
 
 from train import corpus
-from train.edits import edit_examples, make_edit, rename_identifier, renamed_spans, render_prompt
+from train.edits import edit_examples, make_edit, edit_reply, rename_identifier, render_prompt
 
 MODULES = ("argparse.py", "json/decoder.py", "textwrap.py", "email/message.py", "asyncio/tasks.py")
 
@@ -60,22 +60,23 @@ def test_edits_of_real_snippets(module):
 
 
 @pytest.mark.parametrize("module", MODULES[:3])
-def test_renamed_spans_are_the_new_names_of_the_answer(module):
-    """Putting the old name back at the spans gives the snippet; any other text has none."""
+def test_edit_reply_finds_the_answer_and_its_new_names(module):
+    """Putting the old name back at the spans gives the snippet; any other text is no edit."""
     seed = random.SystemRandom().randrange(2**32)
     source = (corpus.stdlib_root() / module).read_text(encoding="utf-8")
-    assert renamed_spans(source) == []
+    assert edit_reply(source) is None
     for ex in itertools.islice(edit_examples([source], random.Random(seed)), 10):
-        spans = renamed_spans(ex.text)
+        start, spans = edit_reply(ex.text)
+        assert start == len(ex.prompt)
         assert len(spans) == sum(t.type == tokenize.NAME and t.string == ex.old for t in _tokens(ex.snippet))
-        assert spans[0][0] >= len(ex.prompt) and all(ex.text[s:e] == ex.new for s, e in spans)
+        assert spans[0][0] >= start and all(ex.text[s:e] == ex.new for s, e in spans)
         pieces, pos = [], len(ex.prompt)
         for s, e in spans:
             pieces += [ex.text[pos:s], ex.old]
             pos = e
         assert "".join(pieces) + ex.text[pos:] == ex.snippet, f"seed={seed}"
-        assert renamed_spans(ex.prompt + ex.answer.replace(ex.new, ex.new + "x", 1)) == []  # not the rename
-        assert renamed_spans(ex.prompt) == []  # no answer
+        assert edit_reply(ex.prompt + ex.answer.replace(ex.new, ex.new + "x", 1)) is None  # not the rename
+        assert edit_reply(ex.prompt) is None  # no answer
 
 
 def test_new_name_follows_old_style_and_no_candidates_gives_none():

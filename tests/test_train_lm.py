@@ -49,32 +49,33 @@ def test_weighted_loss_is_the_weighted_mean_of_token_cross_entropies():
     assert np.isclose(float(lm.loss_fn(params, CFG, windows, weights)), want, rtol=1e-5)
 
 
-def test_rename_weight_weighs_focus_tokens_and_trains_them_first():
-    """batch_at puts rename_weight on the focus tokens of the same windows; with a large
-    weight a fixed batch's focus targets are learned faster than with none."""
+def test_reply_and_rename_weights_weigh_marked_tokens_and_train_them_first():
+    """batch_at weighs the same windows by their tokens' marks; with a large weight a fixed
+    batch's renamed targets are learned faster than with none."""
     import dataclasses
 
     tokens = _tokens(3, 2000)
-    focus = np.random.default_rng().random(tokens.size) < 0.05
-    heavy = dataclasses.replace(TC, rename_weight=30.0)
-    windows, weights = lm.batch_at(tokens, heavy, 0, focus)
+    marks = np.random.default_rng().choice(3, tokens.size, p=[0.8, 0.15, 0.05]).astype(np.uint8)
+    heavy = dataclasses.replace(TC, reply_weight=3.0, rename_weight=30.0)
+    windows, weights = lm.batch_at(tokens, heavy, 0, marks)
     plain, none = lm.batch_at(tokens, heavy, 0)
     assert none is None and np.array_equal(windows, plain)
     starts = [np.flatnonzero([np.array_equal(tokens[s:s + TC.seq + 1], w) for s in range(tokens.size - TC.seq)])[0]
               for w in windows]
-    want = np.stack([np.where(focus[s:s + TC.seq + 1], 30.0, 1.0) for s in starts])
+    want = np.stack([np.select([marks[s:s + TC.seq + 1] == 1, marks[s:s + TC.seq + 1] == 2], [3.0, 30.0], 1.0)
+                     for s in starts])
     assert np.array_equal(weights, want)
 
-    def focus_loss(tc):
+    def renamed_loss(tc):
         step = lm.make_train_step(CFG, tc)
         state = lm.initial_state(CFG, tc)
         params, opt_state = state["params"], state["opt_state"]
         for _ in range(15):
             params, opt_state, _ = step(params, opt_state, (windows, weights if tc is heavy else None))
-        targets = (weights[:, 1:] > 1).astype(np.float32)
+        targets = (weights[:, 1:] == 30.0).astype(np.float32)
         return float(lm.loss_fn(params, CFG, windows, np.pad(targets, ((0, 0), (1, 0)))))
 
-    assert focus_loss(heavy) < focus_loss(TC) - 0.3
+    assert renamed_loss(heavy) < renamed_loss(TC) - 0.3
 
 
 def test_kill_and_resume_continues_identically(tmp_path, monkeypatch):
@@ -126,8 +127,8 @@ def test_stage_commands_name_a_missing_input_and_exit_2(tmp_path):
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "meta.json").write_text('{"eos_id": 0, "heldout": {"bytes": 4, "tokens": 1}}')
     for argv, named in ((["train.target", "--data", str(tmp_path / "nope")], "nope/meta.json"),
-                        (["train.target", "--data", str(tmp_path / "shards"), "--rename-weight", "4"],
-                         "shards/train_focus.npy"),
+                        (["train.target", "--data", str(tmp_path / "shards"), "--reply-weight", "2"],
+                         "shards/train_marks.npy"),
                         (["train.evaluate", "--model", str(tmp_path / "gone")], "gone: not a directory")):
         proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, cwd=tmp_path)
         assert proc.returncode == 2, proc.stderr

@@ -3,9 +3,9 @@
 A shard is one flat ``uint16`` array (``.npy``): every document's tokens followed by the
 eos id. ``train.npy`` holds one epoch of :func:`train.corpus.training_documents` (files
 plus rename edits), ``heldout.npy`` the held-out files (mixed with edits cut from them at
-the same share when it is not the default); ``meta.json`` records sizes. ``train_focus.npy``
-marks, per training token, where a rename reply writes the new name (:func:`focus_mask`):
-``train.lm --rename-weight`` weighs those tokens in the loss.
+the same share when it is not the default); ``meta.json`` records sizes. ``train_marks.npy``
+labels each training token plain, rename reply, or the reply's new name (:func:`token_marks`):
+``train.lm --reply-weight / --rename-weight`` weigh them in the loss.
 
 ``python -m train.data --out runs/data-edits --seed 1 --edit-share 0.5`` tokenizes another
 epoch with an existing tokenizer (a new file order and new edits, or another mixture);
@@ -31,44 +31,49 @@ from tqdm import tqdm
 from train import corpus, edits
 from train.tokenizer import EOS
 
-FOCUS_FILE = "train_focus.npy"  # the training shard's focus mask (bool per token)
+MARKS_FILE = "train_marks.npy"  # the training shard's token marks (uint8 per token)
+PLAIN, REPLY, RENAMED = 0, 1, 2  # the marks (train.lm weighs them)
 
 
 def encode_documents(tokenizer: Tokenizer, docs: Iterable[str], desc: str,
                      chunk: int = 64) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Concatenate the tokens of ``docs``, each followed by eos; returns (tokens, focus,
-    stats). ``focus`` (bool, one per token) marks the tokens of edit documents that write
-    the new name, and the token after each such run, where the reply must stop copying the
-    snippet and then find its place in it again (:func:`focus_mask`)."""
+    """Concatenate the tokens of ``docs``, each followed by eos; returns (tokens, marks,
+    stats), with one :func:`token_marks` label per token (eos: ``PLAIN``)."""
     eos = tokenizer.token_to_id(EOS)
     docs = list(docs)
-    parts, focus, chars, nbytes = [], [], 0, 0
+    parts, marks, chars, nbytes = [], [], 0, 0
     for i in tqdm(range(0, len(docs), chunk), desc=desc, unit="chunk"):
         batch = docs[i : i + chunk]
         for doc, enc in zip(batch, tokenizer.encode_batch(batch, add_special_tokens=False)):
             parts.append(np.asarray(enc.ids + [eos], dtype=np.uint16))
-            focus.append(np.append(focus_mask(enc.offsets, edits.renamed_spans(doc)), False))
+            marks.append(np.append(token_marks(enc.offsets, doc), np.uint8(PLAIN)))
         chars += sum(map(len, batch))
         nbytes += sum(len(d.encode()) for d in batch)
     tokens = np.concatenate(parts)
+    marks = np.concatenate(marks)
     stats = {"documents": len(docs), "chars": chars, "bytes": nbytes, "tokens": int(tokens.size),
-             "focus_tokens": int(sum(f.sum() for f in focus))}
-    return tokens, np.concatenate(focus), stats
+             "reply_tokens": int((marks == REPLY).sum()), "renamed_tokens": int((marks == RENAMED).sum())}
+    return tokens, marks, stats
 
 
-def focus_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:
-    """Tokens (by character ``offsets``) overlapping any of ``spans``, plus the first token
-    starting at or after each span's end."""
-    mask = np.zeros(len(offsets), bool)
-    if not spans or not offsets:
-        return mask
+def token_marks(offsets: Sequence[tuple[int, int]], text: str) -> np.ndarray:
+    """A label per token of ``text`` (by character ``offsets``): ``RENAMED`` where an edit
+    document's answer writes the new name, and on the token after each such run (where the
+    reply must find its place in the snippet again), ``REPLY`` on the answer's other
+    tokens, ``PLAIN`` elsewhere (the prompt, any other document)."""
+    marks = np.full(len(offsets), PLAIN, np.uint8)
+    edit = edits.edit_reply(text)
+    if edit is None or not offsets:
+        return marks
+    reply_start, spans = edit
     starts, ends = np.asarray(offsets).T
+    marks[starts >= reply_start] = REPLY
     for s, e in spans:
-        mask |= (starts < e) & (ends > s)
+        marks[(starts < e) & (ends > s)] = RENAMED
         after = np.flatnonzero(starts >= e)
         if after.size:
-            mask[after[0]] = True
-    return mask
+            marks[after[0]] = RENAMED
+    return marks
 
 
 def repeat_drills(tokens: np.ndarray, eos: int, n_tokens: int, rng: np.random.Generator,
@@ -92,19 +97,20 @@ def repeat_drills(tokens: np.ndarray, eos: int, n_tokens: int, rng: np.random.Ge
     return drills
 
 
-def _with_drills(tokens: np.ndarray, focus: np.ndarray, eos: int, share: float,
+def _with_drills(tokens: np.ndarray, marks: np.ndarray, eos: int, share: float,
                  seed: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """``tokens`` (eos-terminated documents) and their ``focus`` with copy drills making up
+    """``tokens`` (eos-terminated documents) and their ``marks`` with copy drills making up
     ``share`` of the result, placed between documents in a seeded order; returns (tokens,
-    focus, drill tokens). Drills have no focus tokens."""
+    marks, drill tokens). Drill tokens are ``PLAIN``."""
     rng = np.random.default_rng(seed)
     cuts = np.flatnonzero(tokens == eos)[:-1] + 1
-    docs, doc_focus = np.split(tokens, cuts), np.split(focus, cuts)
+    docs, doc_marks = np.split(tokens, cuts), np.split(marks, cuts)
     drills = repeat_drills(tokens, eos, int(tokens.size * share / (1.0 - share)), rng)
     order = rng.permutation(len(docs) + len(drills))
     pieces = [docs[i] if i < len(docs) else drills[i - len(docs)] for i in order]
-    focus_pieces = [doc_focus[i] if i < len(docs) else np.zeros(drills[i - len(docs)].size, bool) for i in order]
-    return np.concatenate(pieces), np.concatenate(focus_pieces), sum(d.size for d in drills)
+    mark_pieces = [doc_marks[i] if i < len(docs) else np.full(drills[i - len(docs)].size, PLAIN, np.uint8)
+                   for i in order]
+    return np.concatenate(pieces), np.concatenate(mark_pieces), sum(d.size for d in drills)
 
 
 def build_shards(tokenizer_dir: Path, out_dir: Path, seed: int = 0, edit_share: float = corpus.EDIT_SHARE,
@@ -129,13 +135,13 @@ def build_shards(tokenizer_dir: Path, out_dir: Path, seed: int = 0, edit_share: 
     heldout_share = 0.0 if edit_share == corpus.EDIT_SHARE else edit_share
     for name, docs in (("train", corpus.training_documents(seed, edit_share)),
                        ("heldout", corpus.heldout_documents(seed, heldout_share))):
-        tokens, focus, meta[name] = encode_documents(tokenizer, docs, desc=f"tokenizing {name}")
+        tokens, marks, meta[name] = encode_documents(tokenizer, docs, desc=f"tokenizing {name}")
         if name == "train" and repeat_share > 0:
-            tokens, focus, meta[name]["drill_tokens"] = _with_drills(tokens, focus, eos, repeat_share, seed)
+            tokens, marks, meta[name]["drill_tokens"] = _with_drills(tokens, marks, eos, repeat_share, seed)
             meta[name]["tokens"] = int(tokens.size)
         np.save(out_dir / f"{name}.npy", tokens)
         if name == "train":
-            np.save(out_dir / FOCUS_FILE, focus)
+            np.save(out_dir / MARKS_FILE, marks)
         print(f"{name}: {meta[name]}")
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
@@ -147,15 +153,15 @@ def load_shard(path: Path) -> np.ndarray:
 
 
 def random_batches(tokens: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator,
-                   focus: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                   marks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """``batch`` windows of ``seq_len + 1`` tokens at uniform random offsets: int32
     ``[batch, seq_len + 1]`` (inputs are ``[:, :-1]``, targets ``[:, 1:]``), and the same
-    windows of ``focus`` (None without one)."""
+    windows of ``marks`` (None without them)."""
     starts = rng.integers(0, tokens.size - seq_len, size=batch)
     windows = np.stack([tokens[s : s + seq_len + 1] for s in starts]).astype(np.int32)
-    if focus is None:
+    if marks is None:
         return windows, None
-    return windows, np.stack([focus[s : s + seq_len + 1] for s in starts])
+    return windows, np.stack([marks[s : s + seq_len + 1] for s in starts])
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -93,23 +93,23 @@ def rename_identifier(source: str, old: str, new: str) -> str:
     return "".join(pieces)
 
 
-def renamed_spans(text: str) -> list[tuple[int, int]]:
-    """Character spans of the new name in the answer of an edit document (``prompt +
-    answer``, :attr:`EditExample.text`); empty for any other text.
+def edit_reply(text: str) -> tuple[int, list[tuple[int, int]]] | None:
+    """Where the answer of an edit document (``prompt + answer``, :attr:`EditExample.text`)
+    starts, and the character spans of the new name in it; None for any other text.
 
-    These are the places where copying the snippet is wrong: the loss can weigh them
-    (``train.lm --rename-weight``) and evaluation scores them apart."""
+    The answer is the copy a model must write, the new name's places where copying the
+    snippet is wrong: the training loss can weigh both (``train.data.token_marks``)."""
     m = INSTRUCTION.search(text)
     if m is None:
-        return []
+        return None
     snippet, answer = text[:m.start()], text[m.end():]
     old, new = m.groups()
     try:
         if rename_identifier(snippet, old, new) != answer:
-            return []
-        return [(m.end() + s, m.end() + e) for s, e in name_spans(answer, new)]
+            return None
+        return m.end(), [(m.end() + s, m.end() + e) for s, e in name_spans(answer, new)]
     except (tokenize.TokenError, SyntaxError):
-        return []
+        return None
 
 
 def sample_snippet(source: str, rng: random.Random) -> str | None:

@@ -1,8 +1,8 @@
 """Causal-LM training loop shared by ``train.target`` and ``train.draft``.
 
 Next-token cross-entropy on random windows of a token shard (:mod:`train.data`; with
-``--rename-weight W`` the shard's focus tokens, where rename replies must stop copying,
-count W times in the training loss), optax AdamW (b2 0.95, weight decay 0.1 on matrices
+``--reply-weight R --rename-weight W`` the tokens of rename replies count R times in the
+training loss, and those that write the new name W times: :func:`train.data.token_marks`), optax AdamW (b2 0.95, weight decay 0.1 on matrices
 only) after global-norm clipping 1.0, with a warmup + cosine schedule down to 10 % of the
 peak. One jitted step donates params and optimizer state.
 
@@ -44,7 +44,7 @@ from tqdm import tqdm
 from specjax import checkpoint, qwen3
 from specjax.config import Qwen3Config
 from specjax.runtime import enable_compilation_cache
-from train.data import FOCUS_FILE, load_shard, random_batches
+from train.data import MARKS_FILE, PLAIN, RENAMED, REPLY, load_shard, random_batches
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -64,7 +64,8 @@ class TrainConfig:
     eval_batches: int = 16
     save_every_minutes: float = 5.0
     seed: int = 0
-    rename_weight: float = 1.0  # loss weight of the shard's focus tokens (train.data.focus_mask)
+    reply_weight: float = 1.0   # loss weight of rename replies' copied tokens (train.data.REPLY)
+    rename_weight: float = 1.0  # and of their new-name tokens (train.data.RENAMED)
 
 
 @functools.cache
@@ -141,13 +142,16 @@ def state_from_folder(folder: Path, cfg: Qwen3Config, tc: TrainConfig) -> dict:
 
 
 def batch_at(tokens: np.ndarray, tc: TrainConfig, step: int,
-             focus: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+             marks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """The training batch of ``step`` (a pure function of seed and step): windows, and
-    loss weights (``tc.rename_weight`` on focus tokens, 1 elsewhere) when ``focus`` is given."""
-    windows, marks = random_batches(tokens, tc.batch, tc.seq, np.random.default_rng((tc.seed, step)), focus)
-    if marks is None:
+    their loss weights when the shard's ``marks`` are given (1 on ``PLAIN`` tokens,
+    ``tc.reply_weight`` on ``REPLY``, ``tc.rename_weight`` on ``RENAMED``)."""
+    windows, window_marks = random_batches(tokens, tc.batch, tc.seq, np.random.default_rng((tc.seed, step)), marks)
+    if window_marks is None:
         return windows, None
-    return windows, np.where(marks, np.float32(tc.rename_weight), np.float32(1.0))
+    table = np.zeros(3, np.float32)
+    table[[PLAIN, REPLY, RENAMED]] = 1.0, tc.reply_weight, tc.rename_weight
+    return windows, table[window_marks]
 
 
 class Checkpoints:
@@ -189,13 +193,13 @@ def export(out: Path, params: Any, cfg: Qwen3Config, tokenizer_dir: Path | None)
 def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_tokens: np.ndarray,
           ckpt_dir: Path, export_dir: Path | None = None, tokenizer_dir: Path | None = None,
           heldout_bytes_per_token: float | None = None, init: Path | None = None,
-          train_focus: np.ndarray | None = None) -> dict:
+          train_marks: np.ndarray | None = None) -> dict:
     """Train (or resume) until ``tc.steps``; returns the final {"params", "opt_state", "step"}.
 
     A fresh run starts from random weights, or from the HF folder `init` (fine-tuning:
     a new optimiser state and schedule; the folder's config must be `cfg`'s model).
-    With ``train_focus`` (the shard's focus mask) the training loss weighs focus tokens by
-    ``tc.rename_weight``; held-out loss stays the plain mean.
+    With ``train_marks`` (the shard's token marks) the training loss weighs rename replies
+    by ``tc.reply_weight`` and ``tc.rename_weight``; held-out loss stays the plain mean.
 
     Saves a checkpoint every ``tc.save_every_minutes`` (0: every step), on Ctrl-C and at
     the end; any other exception propagates without a final save (like a crash)."""
@@ -238,7 +242,7 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
 
     def advance(step: int) -> dict:
         nonlocal params, opt_state
-        params, opt_state, loss = train_step(params, opt_state, batch_at(train_tokens, tc, step, train_focus))
+        params, opt_state, loss = train_step(params, opt_state, batch_at(train_tokens, tc, step, train_marks))
         return {"loss": loss}
 
     try:
@@ -325,12 +329,13 @@ def main(presets: dict[str, Qwen3Config], default: str, argv: Sequence[str] | No
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` saves like Ctrl-C
     tc = config_from_args(args, TrainConfig)
     meta = json.loads((args.data / "meta.json").read_text())
-    focus = None
-    if tc.rename_weight != 1.0:
-        if not (args.data / FOCUS_FILE).is_file():
-            p.error(f"--rename-weight needs {args.data / FOCUS_FILE}: rebuild the shards with python -m train.data")
-        focus = load_shard(args.data / FOCUS_FILE)
+    marks = None
+    if (tc.reply_weight, tc.rename_weight) != (1.0, 1.0):
+        if not (args.data / MARKS_FILE).is_file():
+            p.error(f"--reply-weight / --rename-weight need {args.data / MARKS_FILE}: "
+                    "rebuild the shards with python -m train.data")
+        marks = load_shard(args.data / MARKS_FILE)
     cfg = dataclasses.replace(presets[args.config], max_position_embeddings=tc.seq, eos_token_id=meta["eos_id"])
     train(cfg, tc, load_shard(args.data / "train.npy"), load_shard(args.data / "heldout.npy"),
           args.ckpt_dir or Path("runs") / args.config, args.export, args.tokenizer,
-          meta["heldout"]["bytes"] / meta["heldout"]["tokens"], args.init, focus)
+          meta["heldout"]["bytes"] / meta["heldout"]["tokens"], args.init, marks)
