@@ -79,6 +79,15 @@ def test_edit_reply_finds_the_answer_and_its_new_names(module):
         assert edit_reply(ex.prompt) is None  # no answer
 
 
+def test_edit_reply_skips_instruction_like_lines_inside_the_snippet():
+    snippet = ('def spam(x):\n    """Usage:\n# Rename `a` to `b`.\n    """\n    return spam(x)\n\n\n'
+               "spam(1)\n# Rename `c` to `d`.\n")
+    ex = make_edit(snippet, random.Random(0))
+    assert ex is not None and ex.old == "spam"
+    start, spans = edit_reply(ex.text)
+    assert start == len(ex.prompt) and [ex.text[s:e] for s, e in spans] == [ex.new] * 3
+
+
 def test_new_name_follows_old_style_and_no_candidates_gives_none():
     snippet = "class Parser:\n    pass\n\n\np = Parser()\nq = Parser()\n"
     ex = make_edit(snippet, random.Random(0))

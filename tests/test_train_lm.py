@@ -55,13 +55,14 @@ def test_reply_and_rename_weights_weigh_marked_tokens_and_train_them_first():
     import dataclasses
 
     tokens = _tokens(3, 2000)
-    marks = np.random.default_rng().choice(3, tokens.size, p=[0.8, 0.15, 0.05]).astype(np.uint8)
     heavy = dataclasses.replace(TC, reply_weight=3.0, rename_weight=30.0)
-    windows, weights = lm.batch_at(tokens, heavy, 0, marks)
     plain, none = lm.batch_at(tokens, heavy, 0)
-    assert none is None and np.array_equal(windows, plain)
     starts = [np.flatnonzero([np.array_equal(tokens[s:s + TC.seq + 1], w) for s in range(tokens.size - TC.seq)])[0]
-              for w in windows]
+              for w in plain]
+    marks = np.random.default_rng().choice(3, tokens.size, p=[0.8, 0.15, 0.05]).astype(np.uint8)
+    marks[starts[0] + 1] = 2  # at least one renamed target
+    windows, weights = lm.batch_at(tokens, heavy, 0, marks)
+    assert none is None and np.array_equal(windows, plain)
     want = np.stack([np.select([marks[s:s + TC.seq + 1] == 1, marks[s:s + TC.seq + 1] == 2], [3.0, 30.0], 1.0)
                      for s in starts])
     assert np.array_equal(weights, want)
@@ -126,9 +127,10 @@ def test_stage_commands_name_a_missing_input_and_exit_2(tmp_path):
 
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "meta.json").write_text('{"eos_id": 0, "heldout": {"bytes": 4, "tokens": 1}}')
+    shards = ["train.target", "--data", str(tmp_path / "shards")]
     for argv, named in ((["train.target", "--data", str(tmp_path / "nope")], "nope/meta.json"),
-                        (["train.target", "--data", str(tmp_path / "shards"), "--reply-weight", "2"],
-                         "shards/train_marks.npy"),
+                        ([*shards, "--reply-weight", "2"], "shards/train_marks.npy"),
+                        ([*shards, "--rename-weight", "-1"], "must be >= 0"),
                         (["train.evaluate", "--model", str(tmp_path / "gone")], "gone: not a directory")):
         proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, cwd=tmp_path)
         assert proc.returncode == 2, proc.stderr

@@ -98,18 +98,17 @@ def edit_reply(text: str) -> tuple[int, list[tuple[int, int]]] | None:
     starts, and the character spans of the new name in it; None for any other text.
 
     The answer is the copy a model must write, the new name's places where copying the
-    snippet is wrong: the training loss can weigh both (``train.data.token_marks``)."""
-    m = INSTRUCTION.search(text)
-    if m is None:
-        return None
-    snippet, answer = text[:m.start()], text[m.end():]
-    old, new = m.groups()
-    try:
-        if rename_identifier(snippet, old, new) != answer:
-            return None
-        return m.end(), [(m.end() + s, m.end() + e) for s, e in name_spans(answer, new)]
-    except (tokenize.TokenError, SyntaxError):
-        return None
+    snippet is wrong: the training loss can weigh both (``train.data.token_marks``).
+    Every instruction-like line is tried (a snippet may hold one in a comment or string)."""
+    for m in INSTRUCTION.finditer(text):
+        snippet, answer = text[:m.start()], text[m.end():]
+        old, new = m.groups()
+        try:
+            if rename_identifier(snippet, old, new) == answer:
+                return m.end(), [(m.end() + s, m.end() + e) for s, e in name_spans(answer, new)]
+        except (tokenize.TokenError, SyntaxError):
+            continue
+    return None
 
 
 def sample_snippet(source: str, rng: random.Random) -> str | None:

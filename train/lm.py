@@ -96,7 +96,8 @@ def loss_fn(params: Any, cfg: Qwen3Config, windows: jax.Array, weights: jax.Arra
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     if weights is None:
         return ce.mean()
-    return (ce * weights[:, 1:]).sum() / weights[:, 1:].sum()
+    # (all-zero weights, e.g. --reply-weight 0 on a window inside a reply: no loss, not NaN)
+    return (ce * weights[:, 1:]).sum() / jnp.maximum(weights[:, 1:].sum(), 1e-6)
 
 
 @functools.cache
@@ -330,12 +331,18 @@ def main(presets: dict[str, Qwen3Config], default: str, argv: Sequence[str] | No
     tc = config_from_args(args, TrainConfig)
     meta = json.loads((args.data / "meta.json").read_text())
     marks = None
+    if min(tc.reply_weight, tc.rename_weight) < 0:
+        p.error(f"--reply-weight and --rename-weight must be >= 0, got {tc.reply_weight}, {tc.rename_weight}")
     if (tc.reply_weight, tc.rename_weight) != (1.0, 1.0):
         if not (args.data / MARKS_FILE).is_file():
             p.error(f"--reply-weight / --rename-weight need {args.data / MARKS_FILE}: "
                     "rebuild the shards with python -m train.data")
         marks = load_shard(args.data / MARKS_FILE)
+    train_tokens = load_shard(args.data / "train.npy")
+    if marks is not None and marks.shape != train_tokens.shape:
+        p.error(f"{args.data / MARKS_FILE} has {marks.size} marks for {train_tokens.size} tokens of "
+                f"{args.data / 'train.npy'}: rebuild the shards with python -m train.data")
     cfg = dataclasses.replace(presets[args.config], max_position_embeddings=tc.seq, eos_token_id=meta["eos_id"])
-    train(cfg, tc, load_shard(args.data / "train.npy"), load_shard(args.data / "heldout.npy"),
+    train(cfg, tc, train_tokens, load_shard(args.data / "heldout.npy"),
           args.ckpt_dir or Path("runs") / args.config, args.export, args.tokenizer,
           meta["heldout"]["bytes"] / meta["heldout"]["tokens"], args.init, marks)
