@@ -9,7 +9,7 @@ import tokenize
 import pytest
 
 from train import corpus
-from train.edits import edit_examples, make_edit, edit_reply, rename_identifier, render_prompt
+from train.edits import edit_examples, edit_reply, make_edit, rename_identifier, render_prompt
 
 MODULES = ("argparse.py", "json/decoder.py", "textwrap.py", "email/message.py", "asyncio/tasks.py")
 
