@@ -101,6 +101,26 @@ def test_copy_drills_repeat_their_span_and_keep_every_document():
         assert np.array_equal(span[:half], span[half:]) and eos not in span
 
 
+def test_drills_from_a_small_alphabet_repeat_spans_where_one_token_does_not_place_the_copy():
+    rng = np.random.default_rng(int(np.random.SeedSequence().entropy % 2**32))
+    eos, alphabet = 0, int(rng.integers(3, 12))
+    tokens = np.append(rng.integers(1, 4000, size=20_000), eos).astype(np.uint16)
+    corpus_tokens = set(tokens.tolist())
+    drills = data.repeat_drills(tokens, eos, 20_000, rng, alphabet=alphabet)
+    assert sum(d.size for d in drills) >= 20_000
+    for i, d in enumerate(drills):
+        half = (d.size - 1) // 2
+        assert d[-1] == eos and np.array_equal(d[:half], d[half:-1]) and eos not in d[:-1]
+        if i % 2:  # drawn spans: few distinct tokens, each from the corpus, most recurring
+            assert len(set(d[:half].tolist())) <= alphabet and set(d[:half].tolist()) <= corpus_tokens
+        else:  # windows of the corpus, as without an alphabet
+            window = d[:half]
+            assert any(np.array_equal(tokens[s:s + half], window) for s in np.flatnonzero(tokens == window[0]))
+    # Without an alphabet the drawn spans have (almost) no repeats: the alphabet is what adds them.
+    plain = data.repeat_drills(tokens, eos, 20_000, rng)
+    assert all(len(set(d[:(d.size - 1) // 2].tolist())) > alphabet for d in plain[1::2])
+
+
 def test_marks_label_edit_replies_their_new_names_and_the_token_after_each():
     """Token extents come from decoding prefixes (not the tokenizer's offsets), the new
     name's places from a plain substring search (it is fresh: it occurs only where renamed)."""

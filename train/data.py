@@ -15,6 +15,9 @@ epoch with an existing tokenizer (a new file order and new edits, or another mix
 by the same span again. Half the spans are windows of the corpus, half are corpus tokens
 drawn independently (no structure to predict but the repeat). They are the plainest
 signal for induction-style copying, which rename edits alone had not taught the target.
+``--drill-alphabet N`` draws each independent span from only N corpus tokens, so a token
+recurs throughout its span and one token no longer tells the copy where it is: it has to
+match the few tokens before it, as when copying code where `` self`` or ``(`` recur.
 """
 
 from __future__ import annotations
@@ -77,16 +80,20 @@ def token_marks(offsets: Sequence[tuple[int, int]], text: str) -> np.ndarray:
 
 
 def repeat_drills(tokens: np.ndarray, eos: int, n_tokens: int, rng: np.random.Generator,
-                  min_len: int = 16, max_len: int = 256) -> list[np.ndarray]:
+                  min_len: int = 16, max_len: int = 256, alphabet: int = 0) -> list[np.ndarray]:
     """Copy drills of about ``n_tokens`` in all, each ``span + span + [eos]`` with a span of
     ``min_len..max_len`` tokens taken from ``tokens``: alternately a contiguous window and
-    independently drawn positions. Spans never contain ``eos``."""
+    independently drawn positions (with ``alphabet`` > 0, drawn from that many positions
+    picked for the drill, so the span has at most ``alphabet`` distinct tokens). Spans never
+    contain ``eos``."""
     drills, total = [], 0
     while total < n_tokens:
         n = int(rng.integers(min_len, max_len + 1))
         if len(drills) % 2 == 0:
             start = int(rng.integers(0, tokens.size - n))
             span = np.asarray(tokens[start : start + n])
+        elif alphabet > 0:
+            span = np.asarray(tokens[rng.choice(rng.integers(0, tokens.size, size=alphabet), size=n)])
         else:
             span = np.asarray(tokens[rng.integers(0, tokens.size, size=n)])
         span = span[span != eos]
@@ -98,14 +105,14 @@ def repeat_drills(tokens: np.ndarray, eos: int, n_tokens: int, rng: np.random.Ge
 
 
 def _with_drills(tokens: np.ndarray, marks: np.ndarray, eos: int, share: float,
-                 seed: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """``tokens`` (eos-terminated documents) and their ``marks`` with copy drills making up
-    ``share`` of the result, placed between documents in a seeded order; returns (tokens,
-    marks, drill tokens). Drill tokens are ``PLAIN``."""
+                 seed: int, alphabet: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+    """``tokens`` (eos-terminated documents) and their ``marks`` with copy drills
+    (:func:`repeat_drills`) making up ``share`` of the result, placed between documents in a
+    seeded order; returns (tokens, marks, drill tokens). Drill tokens are ``PLAIN``."""
     rng = np.random.default_rng(seed)
     cuts = np.flatnonzero(tokens == eos)[:-1] + 1
     docs, doc_marks = np.split(tokens, cuts), np.split(marks, cuts)
-    drills = repeat_drills(tokens, eos, int(tokens.size * share / (1.0 - share)), rng)
+    drills = repeat_drills(tokens, eos, int(tokens.size * share / (1.0 - share)), rng, alphabet=alphabet)
     order = rng.permutation(len(docs) + len(drills))
     pieces = [docs[i] if i < len(docs) else drills[i - len(docs)] for i in order]
     mark_pieces = [doc_marks[i] if i < len(docs) else np.full(drills[i - len(docs)].size, PLAIN, np.uint8)
@@ -114,13 +121,14 @@ def _with_drills(tokens: np.ndarray, marks: np.ndarray, eos: int, share: float,
 
 
 def build_shards(tokenizer_dir: Path, out_dir: Path, seed: int = 0, edit_share: float = corpus.EDIT_SHARE,
-                 repeat_share: float = 0.0) -> dict:
+                 repeat_share: float = 0.0, drill_alphabet: int = 0) -> dict:
     """Write ``train.npy``, ``heldout.npy`` and ``meta.json`` to ``out_dir``; returns the meta.
 
     With the default edit share the held-out shard is the held-out files alone (the
     language-model loss reported so far); with another share it is their mixture at that
     share, so held-out loss measures what the run trains on. ``repeat_share`` of the
-    training tokens are copy drills (:func:`repeat_drills`); the held-out shard has none."""
+    training tokens are copy drills (:func:`repeat_drills`, ``drill_alphabet`` its
+    ``alphabet``); the held-out shard has none."""
     tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
     if tokenizer.get_vocab_size() > np.iinfo(np.uint16).max + 1:
         raise ValueError(f"vocab of {tokenizer_dir} does not fit uint16 shards")
@@ -129,15 +137,18 @@ def build_shards(tokenizer_dir: Path, out_dir: Path, seed: int = 0, edit_share: 
     for name, share in (("edit_share", edit_share), ("repeat_share", repeat_share)):
         if not 0.0 <= share < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {share}")
+    if drill_alphabet < 0:
+        raise ValueError(f"drill_alphabet must be >= 0, got {drill_alphabet}")
     eos = tokenizer.token_to_id(EOS)
     meta = {"tokenizer": str(tokenizer_dir), "seed": seed, "edit_share": edit_share,
-            "repeat_share": repeat_share, "eos_id": eos}
+            "repeat_share": repeat_share, "drill_alphabet": drill_alphabet, "eos_id": eos}
     heldout_share = 0.0 if edit_share == corpus.EDIT_SHARE else edit_share
     for name, docs in (("train", corpus.training_documents(seed, edit_share)),
                        ("heldout", corpus.heldout_documents(seed, heldout_share))):
         tokens, marks, meta[name] = encode_documents(tokenizer, docs, desc=f"tokenizing {name}")
         if name == "train" and repeat_share > 0:
-            tokens, marks, meta[name]["drill_tokens"] = _with_drills(tokens, marks, eos, repeat_share, seed)
+            tokens, marks, meta[name]["drill_tokens"] = _with_drills(tokens, marks, eos, repeat_share, seed,
+                                                                            drill_alphabet)
             meta[name]["tokens"] = int(tokens.size)
         np.save(out_dir / f"{name}.npy", tokens)
         if name == "train":
@@ -171,10 +182,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="file order and edit examples")
     p.add_argument("--edit-share", type=float, default=corpus.EDIT_SHARE, help="share of characters that are rename edits")
     p.add_argument("--repeat-share", type=float, default=0.0, help="share of training tokens that are copy drills")
+    p.add_argument("--drill-alphabet", type=int, default=0,
+                   help="draw each drill's independent span from this many corpus tokens (0: from the whole corpus)")
     args = p.parse_args(argv)
     if not (args.tokenizer / "tokenizer.json").is_file():
         p.error(f"{args.tokenizer}/tokenizer.json not found")
-    build_shards(args.tokenizer, args.out, args.seed, args.edit_share, args.repeat_share)
+    if args.drill_alphabet < 0:
+        p.error(f"--drill-alphabet must be >= 0, got {args.drill_alphabet}")
+    build_shards(args.tokenizer, args.out, args.seed, args.edit_share, args.repeat_share, args.drill_alphabet)
 
 
 if __name__ == "__main__":
