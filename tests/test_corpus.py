@@ -111,7 +111,7 @@ def test_drills_from_a_small_alphabet_repeat_spans_where_one_token_does_not_plac
     for i, d in enumerate(drills):
         half = (d.size - 1) // 2
         assert d[-1] == eos and np.array_equal(d[:half], d[half:-1]) and eos not in d[:-1]
-        if i % 2:  # drawn spans: few distinct tokens, each from the corpus, most recurring
+        if i % 2:  # drawn spans: at most `alphabet` distinct tokens, all from the corpus
             assert len(set(d[:half].tolist())) <= alphabet and set(d[:half].tolist()) <= corpus_tokens
         else:  # windows of the corpus, as without an alphabet
             window = d[:half]

@@ -147,8 +147,8 @@ def build_shards(tokenizer_dir: Path, out_dir: Path, seed: int = 0, edit_share: 
                        ("heldout", corpus.heldout_documents(seed, heldout_share))):
         tokens, marks, meta[name] = encode_documents(tokenizer, docs, desc=f"tokenizing {name}")
         if name == "train" and repeat_share > 0:
-            tokens, marks, meta[name]["drill_tokens"] = _with_drills(tokens, marks, eos, repeat_share, seed,
-                                                                            drill_alphabet)
+            tokens, marks, meta[name]["drill_tokens"] = _with_drills(
+                tokens, marks, eos, repeat_share, seed, drill_alphabet)
             meta[name]["tokens"] = int(tokens.size)
         np.save(out_dir / f"{name}.npy", tokens)
         if name == "train":
