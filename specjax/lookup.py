@@ -5,11 +5,15 @@ the lookup and the decision in Python): on CPU that was 1-2 ms of a 4-6 ms step 
 tiny-code, while a token of a fused plain run (`steps.decode`) costs 2.7-3.6 ms. Here the
 n-gram lookup, the choice of k and the acceptance run on the device, `steps` at a time.
 
-The choice of k per step maximises E[tokens] / cost(width) under a geometric acceptance
-model per n-gram length matched: p_m = decayed accepted / judged drafts after an m-token
-match, shrunk to a prior. Every lookup is scored, drafted or not (a plain step still
-judges the first draft against the token it commits), so a weak match that stops paying is
-skipped and one that starts paying is taken again. cost(width) is t(T)/t(1) of a step
+The choice of k per step maximises E[tokens] / cost(width) under an acceptance model per
+n-gram length m matched with two rates: q_m that the first draft is accepted, and r_m that a
+later draft is, given the ones before it were (each decayed accepted / judged, shrunk to a
+prior). Two rates because copying is bursty: a lookup often starts at the wrong occurrence,
+but once its first draft holds the copy tends to run on (edit prompts on tiny-code: first
+draft 0.66, later ones 0.85-1.0), and one pooled rate sees ~0.8 and drafts too few.
+Every lookup is scored, drafted or not (a plain step still judges the first draft against
+the token it commits), so a weak match that stops paying is skipped and one that starts
+paying is taken again; r_m's prior is optimistic so wide drafts get tried. cost(width) is t(T)/t(1) of a step
 inside this loop, fitted to the calls' wall times (`StepCosts`); k = 0 is a plain T = 1 step.
 
 Exactness: the drafts and the choice are functions of committed tokens and past
@@ -81,9 +85,11 @@ def _switch(index: jax.Array, branches: list, kv: KVCache, *args):
     return out, count, nan, kv
 
 
-def expected_tokens(p: jax.Array, n: jax.Array) -> jax.Array:
-    """1 + p + .. + p^n: committed tokens of a step with n drafts accepted at rate p each."""
-    return jnp.where(p < 1.0, (1.0 - p ** (n + 1)) / (1.0 - jnp.minimum(p, 1.0 - 1e-6)), n + 1.0)
+def expected_tokens(q: jax.Array, r: jax.Array, n: jax.Array) -> jax.Array:
+    """1 + q (1 + r + .. + r^(n-1)): committed tokens of a step with n drafts, the first
+    accepted at rate q and each later one, given those before it, at rate r."""
+    run = jnp.where(r < 1.0, (1.0 - r ** n) / (1.0 - jnp.minimum(r, 1.0 - 1e-6)), n)
+    return 1.0 + q * run
 
 
 @partial(jax.jit, static_argnames=("cfg", "sampling", "k", "max_ngram", "min_ngram", "n_steps"),
@@ -94,7 +100,8 @@ def run(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, size:
     """Up to `n_steps` speculative steps, stopping once `budget` tokens are committed or a
     stop id is; history[size - 1] is the token the next step feeds (the cache holds the rest).
 
-    state: {"accepted", "judged"} [max_ngram + 1] decayed counts; costs [widths] t(T)/t(1).
+    state: {"accepted", "judged"} [2, max_ngram + 1] decayed counts of first (row 0) and
+    later (row 1) drafts per n-gram length matched; costs [widths] t(T)/t(1).
     Returns (history with the new tokens from `size`, new size, nan flag, cache, state,
     log: per step "drafts" judged, "accepted" and "width" (index into BUCKETS) [n_steps],
     -1 after the last step).
@@ -112,9 +119,9 @@ def run(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, size:
         kv, history, size, made, i, state, bad, stopped, log = c
         drafts, found, m = find(history, size, k, max_ngram, min_ngram)
         found = jnp.minimum(found, jnp.maximum(budget - made - 1, 0))
-        p = (state["accepted"][m] + PRIOR_ACCEPT * PSEUDO) / (state["judged"][m] + PSEUDO)
+        q, r = (state["accepted"][:, m] + PRIOR_ACCEPT * PSEUDO) / (state["judged"][:, m] + PSEUDO)
         room = jnp.array([w - 1 for w in widths])  # drafts each width can judge
-        gain = expected_tokens(p, jnp.minimum(room, found)) / costs[:len(widths)]
+        gain = expected_tokens(q, r, jnp.minimum(room, found)) / costs[:len(widths)]
         pick = jnp.where(found > 0, jnp.argmax(gain), 0)
         width_n = jnp.minimum(room[pick], found)
         out, count, nan, kv = _switch(pick, [branch(w) for w in widths], kv, history[size - 1], drafts, width_n)
@@ -124,8 +131,12 @@ def run(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, size:
         judged = (idx < judge_n) & (idx < count)
         hit = judged & (drafts == out[:k])
         decay = jnp.where(m > 0, ACCEPT_DECAY, 1.0)
-        state = {"accepted": state["accepted"].at[m].set(state["accepted"][m] * decay + jnp.sum(hit)),
-                 "judged": state["judged"].at[m].set(state["judged"][m] * decay + jnp.sum(judged))}
+        later = idx > 0
+
+        def score(counts, mask):
+            per_row = jnp.stack([jnp.sum(mask & ~later), jnp.sum(mask & later)]).astype(counts.dtype)
+            return counts.at[:, m].set(counts[:, m] * decay + per_row)
+        state = {"accepted": score(state["accepted"], hit), "judged": score(state["judged"], judged)}
         history = jax.lax.dynamic_update_slice(history, out, (size,))
         live = jnp.arange(span) < count
         stopped = jnp.any(live[:, None] & (out[:, None] == stops[None, :]))
@@ -143,8 +154,10 @@ def run(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, size:
     return history, size, bad, kv, state, log
 
 
-PRIOR_ACCEPT = 0.5   # prior acceptance of a draft after any match,
-PSEUDO = 2.0         # worth this many judged drafts
+# prior acceptance after any match of the first draft and of a later one given the earlier
+# (optimistic, so a match whose first draft pays gets drafted wide and r is measured),
+PRIOR_ACCEPT = np.array([0.5, 0.8], np.float32)
+PSEUDO = 2.0         # each worth this many judged drafts
 ACCEPT_DECAY = 0.95  # weight of the past per scored lookup (~20 lookups)
 # t(T)/t(1) of a step inside this loop on CPU (tiny-code, context 880, 2 cores, greedy and
 # sampled, 2026-11-30): higher than for steps called one by one (adaptive's priors), because
@@ -166,44 +179,52 @@ class StepCosts:
 
         seconds(call) = sum_w steps_w * c_w   (a call's fixed overhead spreads over its steps),
 
-    by least squares over decayed calls plus one pseudo-step per width saying
-    c_w = prior_w * c_1 (a ridge toward the prior's ratios, solved to a fixed point), so a
-    width never run keeps its prior ratio and one run often follows data. The first call
-    is not timed: it compiled.
+    by least squares over decayed calls plus `strength` pseudo-steps per width saying
+    c_w = prior_w * scale, where scale is the decayed ratio of seconds to the prior's
+    prediction over all calls (one width's noise barely moves it): widths never run keep
+    the prior's ratios among themselves, and one run often follows data. A call's time is
+    clipped to `outlier` times the fit's prediction either way: one call slowed by the
+    machine (a collection, another process) would otherwise set the cost of the widths it
+    happened to run (seen on CPU: width 8 fitted at 6.5x T = 1 after one such call). The
+    first call is not timed: it compiled.
     """
 
     prior: np.ndarray            # [W] t(T)/t(1)
-    strength: float = 1.0        # weight of each pseudo-step
+    strength: float = 16.0       # pseudo-steps per width: about one call's worth
     decay: float = 0.9
+    outlier: float = 1.25
     gram: np.ndarray = dataclasses.field(init=False)
     moment: np.ndarray = dataclasses.field(init=False)
-    t1: float | None = None      # t(1) guessed from the first timed call
     warm: bool = False
+    timed: np.ndarray = dataclasses.field(init=False)  # decayed seconds, and the prior's steps
 
     def __post_init__(self) -> None:
         n = len(self.prior)
-        self.gram, self.moment = np.zeros((n, n)), np.zeros(n)
+        self.gram, self.moment, self.timed = np.zeros((n, n)), np.zeros(n), np.zeros(2)
 
     def observe(self, counts: np.ndarray, seconds: float) -> None:
         """One call: steps taken per width [W] and its wall time."""
         if not self.warm:
             self.warm = True
             return
-        if self.t1 is None:
-            self.t1 = seconds / max(float(counts @ self.prior), 1.0)
+        if self.timed[0] > 0:
+            predicted = float(counts @ self._per_step())
+            seconds = min(max(seconds, predicted / self.outlier), predicted * self.outlier)
+        self.timed = self.decay * self.timed + [seconds, float(counts @ self.prior)]
         self.gram = self.decay * self.gram + np.outer(counts, counts)
         self.moment = self.decay * self.moment + counts * seconds
 
+    def _per_step(self) -> np.ndarray:
+        """Fitted seconds per step of each width (after a timed call)."""
+        scale = self.timed[0] / max(self.timed[1], 1e-9)
+        gram = self.gram + self.strength * np.eye(len(self.prior))
+        return np.maximum(np.linalg.solve(gram, self.moment + self.strength * self.prior * scale), 1e-9)
+
     def ratios(self) -> np.ndarray:
         """Fitted t(T)/t(1) per width, at least 1 and not falling with T (the prior before any timing)."""
-        if self.t1 is None:
+        if self.timed[0] == 0:
             return self.prior
-        gram = self.gram + self.strength * np.eye(len(self.prior))
-        t1 = self.t1
-        for _ in range(4):
-            per_step = np.linalg.solve(gram, self.moment + self.strength * self.prior * t1)
-            t1 = max(per_step[0], 1e-9)
-        per_step = np.maximum(per_step, 1e-9)
+        per_step = self._per_step()
         return np.maximum.accumulate(np.maximum(per_step / per_step[0], 1.0))
 
 
@@ -246,7 +267,7 @@ class _LookupSession:
     def __init__(self, spec: LookupProposer, capacity: int, costs: StepCosts):
         self.spec, self.costs = spec, costs
         self.length = capacity + steps.BUCKETS[-1]  # room for a step's writes past the last token
-        zeros = jnp.zeros(spec.max_ngram + 1, jnp.float32)
+        zeros = jnp.zeros((2, spec.max_ngram + 1), jnp.float32)
         self.state = {"accepted": zeros, "judged": zeros}
 
     def run(self, model: Model, kv: KVCache, history: np.ndarray, budget: int, stop_ids: set[int],
