@@ -2,13 +2,13 @@
 # Continue training the shipped target on an accelerator for a fixed time, then evaluate it;
 # the export and the figures land in $OUT (the device tool's output folder).
 #
-#   bash train/accelerator.sh [MINUTES] [DATA]       defaults: 6, runs/data-s14
+#   bash train/accelerator.sh [MINUTES] [DATA]       defaults: 6, runs/data-s17
 #
 # Installs nothing: it needs the repository's runtime and training packages importable
 # (jax, optax, orbax-checkpoint, flax, safetensors, tokenizers, tqdm). DATA is a
 # `python -m train.data` shard folder; it is git-ignored, so carry it to the machine.
 # The loss weighs rename replies as the shipped target's last stage did (REPLY_WEIGHT,
-# RENAME_WEIGHT: 8 and 10; 1 and 1 for shards without train_marks.npy).
+# RENAME_WEIGHT: 8 and 16; 1 and 1 for shards without train_marks.npy).
 # A 20-step calibration run measures tokens/s first, so the real run's cosine schedule
 # ends inside the budget; a timeout (SIGTERM makes the trainer save) guards the rest.
 # Orbax state stays outside $OUT (it is 3x the model); $OUT gets the bf16 export
@@ -16,13 +16,13 @@
 # Two cores train ~600 tok/s; a few minutes of a GPU are hours here (issue 3).
 set -euo pipefail
 MINUTES=${1:-6}
-DATA=${2:-runs/data-s14}
+DATA=${2:-runs/data-s17}
 OUT=${OUT:-runs/accelerator}
 WORK=${WORK:-/tmp/specjax-accelerator}
 BATCH=${BATCH:-32}
 LR=${LR:-5e-4}
 REPLY_WEIGHT=${REPLY_WEIGHT:-8}
-RENAME_WEIGHT=${RENAME_WEIGHT:-10}
+RENAME_WEIGHT=${RENAME_WEIGHT:-16}
 mkdir -p "$OUT" "$WORK"
 rm -rf "$WORK/calibrate"
 python -c "import jax; print('jax', jax.__version__, jax.devices())" | tee "$OUT/devices.txt"
