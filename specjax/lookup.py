@@ -13,8 +13,9 @@ but once its first draft holds the copy tends to run on (edit prompts on tiny-co
 draft 0.66, later ones 0.85-1.0), and one pooled rate sees ~0.8 and drafts too few.
 Every lookup is scored, drafted or not (a plain step still judges the first draft against
 the token it commits), so a weak match that stops paying is skipped and one that starts
-paying is taken again; r_m's prior is optimistic so wide drafts get tried. cost(width) is t(T)/t(1) of a step
-inside this loop, fitted to the calls' wall times (`StepCosts`); k = 0 is a plain T = 1 step.
+paying is taken again; r_m's prior is optimistic so wide drafts get tried. cost(width) is
+t(T)/t(1) of a step inside this loop, fitted to the calls' wall times (`StepCosts`);
+k = 0 is a plain T = 1 step.
 
 Exactness: the drafts and the choice are functions of committed tokens and past
 acceptance only, and each step is `steps.judge` with deterministic drafts, so every step
@@ -154,10 +155,11 @@ def run(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, size:
     return history, size, bad, kv, state, log
 
 
-# prior acceptance after any match of the first draft and of a later one given the earlier
-# (optimistic, so a match whose first draft pays gets drafted wide and r is measured),
+# Prior acceptance, after any match, of the first draft and of a later one given the
+# earlier (optimistic, so a match whose first draft pays gets drafted wide and r measured);
+# each prior is worth PSEUDO judged drafts.
 PRIOR_ACCEPT = np.array([0.5, 0.8], np.float32)
-PSEUDO = 2.0         # each worth this many judged drafts
+PSEUDO = 2.0
 ACCEPT_DECAY = 0.95  # weight of the past per scored lookup (~20 lookups)
 # t(T)/t(1) of a step inside this loop on CPU (tiny-code, context 880, 2 cores, greedy and
 # sampled, 2026-11-30): higher than for steps called one by one (adaptive's priors), because
