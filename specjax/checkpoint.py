@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -39,14 +39,11 @@ class CheckpointError(ValueError):
     """A checkpoint folder or tensor that does not match what the config says."""
 
 
-def hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor name a HF Qwen3 checkpoint of this config holds, with its shape."""
+def layer_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """The tensors of one decoder layer (names after `model.layers.{i}.`), with shapes."""
     d, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, d)
-    per_layer = {
+    shapes = {
         "input_layernorm.weight": (d,),
         "post_attention_layernorm.weight": (d,),
         "self_attn.q_proj.weight": (q, d),
@@ -60,8 +57,17 @@ def hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
         "mlp.down_proj.weight": (d, cfg.intermediate_size),
     }
     if cfg.attention_bias:
-        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                          "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (d,)})
+        shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                       "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (d,)})
+    return shapes
+
+
+def hf_shapes(cfg: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a HF Qwen3 checkpoint of this config holds, with its shape."""
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "model.norm.weight": (cfg.hidden_size,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+    per_layer = layer_shapes(cfg)
     for i in range(cfg.num_hidden_layers):
         for name, shape in per_layer.items():
             shapes[f"{LAYERS}.{i}.{name}"] = shape
@@ -75,22 +81,44 @@ _FUSED = {
 }
 
 
-def from_hf(tensors: dict[str, Any], cfg: Qwen3Config) -> Params:
-    """HF flat name -> array dict to the runtime tree (stack layers, fuse projections)."""
-    layers: dict[str, list[Any]] = {}
-    params: Params = {}
-    for name, value in tensors.items():
-        if name.startswith(LAYERS + "."):
-            i, sub = name[len(LAYERS) + 1:].split(".", 1)
-            layers.setdefault(sub, [None] * cfg.num_hidden_layers)[int(i)] = value
-        else:
-            params[name] = value
-    stacked = {sub: jnp.stack(vals) for sub, vals in layers.items()}
+def _fuse(layer: dict[str, Any]) -> dict[str, Any]:
+    """One layer's HF tensors with q/k/v and gate/up concatenated on the output axis."""
     for fused, parts in _FUSED.items():
-        if parts[0] in stacked:
-            stacked[fused] = jnp.concatenate([stacked.pop(p) for p in parts], axis=1)
-    params[LAYERS] = stacked
-    return params
+        if parts[0] in layer:
+            layer[fused] = jnp.concatenate([layer.pop(p) for p in parts], axis=0)
+    return layer
+
+
+def layers_from_hf(items: Iterable[tuple[str, Any]], cfg: Qwen3Config, prefix: str = LAYERS,
+                   transform: Callable[[Any], Any] = lambda x: x) -> Params:
+    """HF (name, array) pairs to the inference layout: `params[prefix]` a tuple of fused
+    per-layer trees (see `unstack`), the other tensors by name.
+
+    Each layer is fused and passed through `transform` (packing for the CPU kernel) as soon
+    as its last tensor arrives, so a checkpoint read in order is held at most once plus one
+    layer; that is what lets a model whose weights fill most of memory load at all.
+    """
+    per_layer = len(layer_shapes(cfg))
+    pending: dict[int, dict[str, Any]] = {}
+    layers: list[Any] = [None] * cfg.num_hidden_layers
+    top: Params = {}
+    for name, value in items:
+        if not name.startswith(prefix + "."):
+            top[name] = value
+            continue
+        i, sub = name[len(prefix) + 1:].split(".", 1)
+        layer = pending.setdefault(int(i), {})
+        layer[sub] = value
+        if len(layer) == per_layer:
+            layers[int(i)] = transform(_fuse(pending.pop(int(i))))
+    for i, layer in pending.items():
+        layers[i] = transform(_fuse(layer))
+    return {**{k: transform(v) for k, v in top.items()}, prefix: tuple(layers)}
+
+
+def from_hf(tensors: dict[str, Any], cfg: Qwen3Config) -> Params:
+    """HF flat name -> array dict to the training tree (layers stacked, projections fused)."""
+    return stack(layers_from_hf(tensors.items(), cfg))
 
 
 def weight_bytes(params: Params) -> int:
@@ -193,10 +221,11 @@ def _open(path: Path) -> Iterator[Any]:
         raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e
 
 
-def read_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]], dtype: Any,
-                 optional: Iterable[str] = ()) -> dict[str, jax.Array]:
-    """Read and check the named tensors (shape, presence) from a safetensors folder;
-    tensors named in `optional` are read when present."""
+def iter_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]], dtype: Any,
+                 optional: Iterable[str] = ()) -> Iterator[tuple[str, jax.Array]]:
+    """The named tensors of a safetensors folder as (name, array) in `dtype`, one at a time
+    in file order; presence is checked before the first is read, shape and dtype as each is.
+    Tensors named in `optional` are read when present."""
     folder = Path(folder)
     files = _weight_files(folder)
     optional = set(optional)
@@ -207,7 +236,6 @@ def read_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]], dtype
         raise CheckpointError(f"{folder}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     if unexpected:
         raise CheckpointError(f"{folder}: unexpected tensor(s) {unexpected[:5]} for this config")
-    out = {}
     by_file: dict[Path, list[str]] = {}
     for name in [*expected, *sorted(optional & set(files))]:
         by_file.setdefault(files[name], []).append(name)
@@ -222,24 +250,36 @@ def read_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]], dtype
                         f"{path}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(expected[name])}")
                 if not jnp.issubdtype(t.dtype, jnp.floating):
                     raise CheckpointError(f"{path}: tensor {name} has non-float dtype {t.dtype}")
-                out[name] = t.astype(dtype)
-    return out
+                yield name, t.astype(dtype)
 
 
-def load_params(folder: str | Path, cfg: Qwen3Config, dtype: Any) -> Params:
-    """Load a HF Qwen3 folder's weights into the runtime tree in `dtype`.
-
-    With tied embeddings a stored lm_head.weight must equal the embedding: a different one
-    would be silently unused, so it is an error rather than a guess.
-    """
-    optional = ["lm_head.weight"] if cfg.tie_word_embeddings else []
-    tensors = read_tensors(folder, hf_shapes(cfg), dtype, optional)
-    head = tensors.pop("lm_head.weight", None) if cfg.tie_word_embeddings else None
-    if head is not None and not (head.shape == tensors["model.embed_tokens.weight"].shape
-                                 and bool(jnp.array_equal(head, tensors["model.embed_tokens.weight"]))):
+def _drop_tied_head(items: Iterable[tuple[str, Any]], folder: Path) -> Iterator[tuple[str, Any]]:
+    """`items` without lm_head.weight, which must equal the embedding: with tied embeddings
+    a different head would be silently unused, so it is an error rather than a guess."""
+    embed = head = None
+    for name, value in items:
+        if name == "lm_head.weight":
+            head = value
+            continue
+        if name == "model.embed_tokens.weight":
+            embed = value
+        yield name, value
+    if head is not None and not (head.shape == embed.shape and bool(jnp.array_equal(head, embed))):
         raise CheckpointError(f"{folder}: lm_head.weight differs from model.embed_tokens.weight, but config.json "
                               "says tie_word_embeddings=true (set it to false to use the stored head)")
-    return from_hf(tensors, cfg)
+
+
+def load_params(folder: str | Path, cfg: Qwen3Config, dtype: Any,
+                transform: Callable[[Any], Any] = lambda x: x) -> Params:
+    """A HF Qwen3 folder's weights in `dtype`, in the inference layout (`checkpoint.stack`
+    gives the training one), each layer passed through `transform` as it is read (see
+    `layers_from_hf`)."""
+    folder = Path(folder)
+    optional = ["lm_head.weight"] if cfg.tie_word_embeddings else []
+    items = iter_tensors(folder, hf_shapes(cfg), dtype, optional)
+    if cfg.tie_word_embeddings:
+        items = _drop_tied_head(items, folder)
+    return layers_from_hf(items, cfg, transform=transform)
 
 
 def write_tensors(folder: str | Path, tensors: dict[str, Any], dtype: str = "bfloat16",

@@ -217,23 +217,15 @@ class Drafter:
 
 def hf_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the public checkpoint with its shape (dflash.md 1.3)."""
-    shapes = {name.removeprefix("model."): shape for name, shape in checkpoint.hf_shapes(cfg.layer_config).items()
-              if name.startswith(LAYERS + ".")}
+    shapes = {f"{DRAFT_LAYERS}.{i}.{name}": shape for i in range(cfg.num_hidden_layers)
+              for name, shape in checkpoint.layer_shapes(cfg.layer_config).items()}
     d = cfg.hidden_size
     shapes.update({"fc.weight": (d, len(cfg.target_layer_ids) * d), "hidden_norm.weight": (d,), "norm.weight": (d,)})
     return shapes
 
 
-def from_hf(tensors: dict[str, Any], cfg: DFlashConfig) -> Params:
-    """Checkpoint names -> runtime tree, through the target's mapping (checkpoint.from_hf)."""
-    named = {("model." + n if n.startswith(DRAFT_LAYERS + ".") else n): v for n, v in tensors.items()}
-    params = checkpoint.from_hf(named, cfg.layer_config)
-    params[DRAFT_LAYERS] = params.pop(LAYERS)
-    return params
-
-
 def to_hf(params: Params, cfg: DFlashConfig) -> dict[str, Any]:
-    """Runtime tree -> checkpoint names (inverse of `from_hf`)."""
+    """Runtime tree -> checkpoint names (inverse of what `load_dflash` reads)."""
     tree = {(LAYERS if k == DRAFT_LAYERS else k): v for k, v in params.items()}
     return {n.removeprefix("model."): v for n, v in checkpoint.to_hf(tree, cfg.layer_config).items()}
 
@@ -289,8 +281,8 @@ def load_dflash(path: str | Path, target: Model, dtype: Any = None) -> Drafter:
     cfg = DFlashConfig.from_file(folder / "config.json")
     check_fits(cfg, target.config, str(folder / "config.json"))
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(target.dtype)
-    params = checkpoint.unstack(from_hf(checkpoint.read_tensors(folder, hf_shapes(cfg), dtype), cfg), DRAFT_LAYERS)
-    params = cpu_kernels.pack_tree(params)
+    params = checkpoint.layers_from_hf(checkpoint.iter_tensors(folder, hf_shapes(cfg), dtype), cfg.layer_config,
+                                       DRAFT_LAYERS, transform=cpu_kernels.pack_tree)
     return Drafter(params, cfg, dtype, folder)
 
 

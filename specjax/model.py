@@ -64,7 +64,7 @@ def load(path: str | Path, dtype: Any = None) -> Model:
         raise CheckpointError(f"{folder}: not a directory")
     cfg = _generation_eos(folder, Qwen3Config.from_file(folder / "config.json"))
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
-    params = cpu_kernels.pack_tree(checkpoint.unstack(checkpoint.load_params(folder, cfg, dtype)))
+    params = checkpoint.load_params(folder, cfg, dtype, transform=cpu_kernels.pack_tree)
     return Model(cfg, params, dtype, _load_tokenizer(folder), folder)
 
 

@@ -109,3 +109,51 @@ def test_bad_generation_config_is_named(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as err:
         specjax.load(tmp_path)
     assert "generation_config.json" in str(err.value)
+
+
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_layers_are_fused_and_finished_as_they_arrive(rng, attention_bias):
+    """Streaming load: each layer is handed to `transform` as soon as its last tensor is
+    read (nothing read ahead), fused as concatenating the HF projections would; any order
+    of arrival gives the same tree."""
+    from specjax import checkpoint
+
+    cfg = Qwen3Config(vocab_size=37, hidden_size=16, intermediate_size=24, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=attention_bias,
+                      tie_word_embeddings=False)
+    shapes = checkpoint.hf_shapes(cfg)
+    tensors = {n: rng.normal(size=s).astype(np.float32) for n, s in shapes.items()}
+    layer_names = [n for n in shapes if n.startswith("model.layers.0.")]
+    top = len(shapes) - cfg.num_hidden_layers * len(layer_names)
+    pulled, finished = [0], []
+
+    def stream(names):
+        for n in names:
+            pulled[0] += 1
+            yield n, tensors[n]
+
+    def transform(x):
+        if isinstance(x, dict):
+            finished.append(pulled[0])
+        return x
+
+    params = checkpoint.layers_from_hf(stream(shapes), cfg, transform=transform)
+    assert finished == [top + (i + 1) * len(layer_names) for i in range(cfg.num_hidden_layers)]
+    for i, layer in enumerate(params["model.layers"]):
+        hf = {n.split(".", 3)[3]: tensors[n] for n in shapes if n.startswith(f"model.layers.{i}.")}
+        expect = {k: v for k, v in hf.items() if not k.startswith(("self_attn.q_proj", "self_attn.k_proj",
+                                                                   "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"))}
+        expect["self_attn.qkv_proj.weight"] = np.concatenate([hf[f"self_attn.{p}_proj.weight"] for p in "qkv"])
+        expect["mlp.gate_up_proj.weight"] = np.concatenate([hf["mlp.gate_proj.weight"], hf["mlp.up_proj.weight"]])
+        if attention_bias:
+            expect["self_attn.qkv_proj.bias"] = np.concatenate([hf[f"self_attn.{p}_proj.bias"] for p in "qkv"])
+        assert layer.keys() == expect.keys()
+        for k in expect:
+            np.testing.assert_array_equal(np.asarray(layer[k]), expect[k])
+    for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        np.testing.assert_array_equal(np.asarray(params[n]), tensors[n])
+    shuffled = list(shapes)
+    rng.shuffle(shuffled)
+    again = checkpoint.layers_from_hf(stream(shuffled), cfg)
+    for a, b in zip(params["model.layers"], again["model.layers"]):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

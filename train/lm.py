@@ -137,7 +137,7 @@ def state_from_folder(folder: Path, cfg: Qwen3Config, tc: TrainConfig) -> dict:
     saved = Qwen3Config.from_file(folder / "config.json")
     if saved.to_hf() != cfg.to_hf():
         raise ValueError(f"{folder}: --init model differs from the --config model: {saved} vs {cfg}")
-    params = checkpoint.load_params(folder, cfg, jnp.float32)
+    params = checkpoint.stack(checkpoint.load_params(folder, cfg, jnp.float32))
     print(f"initialised from {folder}")
     return {"params": params, "opt_state": make_optimizer(tc).init(params)}
 
