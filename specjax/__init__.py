@@ -17,7 +17,7 @@ _EXPORTS = {
     "load_dflash": "dflash",
     "Qwen3Config": "config",
     "Adaptive": "adaptive",
-    "shard": "sharding",
+    "shard": "sharding", "make_mesh": "sharding",
 }
 
 __all__ = sorted(_EXPORTS)

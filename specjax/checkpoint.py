@@ -31,6 +31,7 @@ from . import cpu_kernels
 from .config import Qwen3Config
 
 Params = dict[str, Any]
+Transform = Callable[[str, Any], Any]  # (name, layer tree or tensor) -> what the loaded tree holds
 LAYERS = "model.layers"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -90,14 +91,16 @@ def _fuse(layer: dict[str, Any]) -> dict[str, Any]:
 
 
 def layers_from_hf(items: Iterable[tuple[str, Any]], cfg: Qwen3Config, prefix: str = LAYERS,
-                   transform: Callable[[Any], Any] = lambda x: x) -> Params:
+                   transform: Transform | None = None) -> Params:
     """HF (name, array) pairs to the inference layout: `params[prefix]` a tuple of fused
     per-layer trees (see `unstack`), the other tensors by name.
 
-    Each layer is fused and passed through `transform` (packing for the CPU kernel) as soon
-    as its last tensor arrives, so a checkpoint read in order is held at most once plus one
-    layer; that is what lets a model whose weights fill most of memory load at all.
+    Each layer is fused and passed through `transform` (packing for the CPU kernel, placing
+    over a device mesh) as soon as its last tensor arrives, as `transform(f"{prefix}.{i}",
+    layer)`; the other tensors as `transform(name, array)`. A checkpoint read in order is
+    then held at most once plus one layer: a model whose weights fill most of memory loads.
     """
+    transform = transform or (lambda _, x: x)
     per_layer = len(layer_shapes(cfg))
     pending: dict[int, dict[str, Any]] = {}
     layers: list[Any] = [None] * cfg.num_hidden_layers
@@ -110,10 +113,10 @@ def layers_from_hf(items: Iterable[tuple[str, Any]], cfg: Qwen3Config, prefix: s
         layer = pending.setdefault(int(i), {})
         layer[sub] = value
         if len(layer) == per_layer:
-            layers[int(i)] = transform(_fuse(pending.pop(int(i))))
+            layers[int(i)] = transform(f"{prefix}.{i}", _fuse(pending.pop(int(i))))
     for i, layer in pending.items():
-        layers[i] = transform(_fuse(layer))
-    return {**{k: transform(v) for k, v in top.items()}, prefix: tuple(layers)}
+        layers[i] = transform(f"{prefix}.{i}", _fuse(layer))
+    return {**{k: transform(k, v) for k, v in top.items()}, prefix: tuple(layers)}
 
 
 def from_hf(tensors: dict[str, Any], cfg: Qwen3Config) -> Params:
@@ -269,8 +272,13 @@ def _drop_tied_head(items: Iterable[tuple[str, Any]], folder: Path) -> Iterator[
                               "says tie_word_embeddings=true (set it to false to use the stored head)")
 
 
-def load_params(folder: str | Path, cfg: Qwen3Config, dtype: Any,
-                transform: Callable[[Any], Any] = lambda x: x) -> Params:
+def packed(_: str, value: Any) -> Any:
+    """The loading transform for a single device: weights packed where the CPU kernel runs
+    (`cpu_kernels.pack_tree`)."""
+    return cpu_kernels.pack_tree(value)
+
+
+def load_params(folder: str | Path, cfg: Qwen3Config, dtype: Any, transform: Transform | None = None) -> Params:
     """A HF Qwen3 folder's weights in `dtype`, in the inference layout (`checkpoint.stack`
     gives the training one), each layer passed through `transform` as it is read (see
     `layers_from_hf`)."""

@@ -217,15 +217,16 @@ def _generate(args) -> int:
     from .sampling import Sampling
 
     folder = args.model or default_model()
-    model = load(folder)
+    mesh = None
     if args.devices > 1:
         import jax
 
-        from .sharding import make_mesh, shard
+        from .sharding import make_mesh
         devices = jax.local_devices()
         if args.devices > len(devices):
             raise UsageError(f"--devices {args.devices}: only {len(devices)} local device(s)")
-        model = shard(model, make_mesh(devices[:args.devices]))
+        mesh = make_mesh(devices[:args.devices])
+    model = load(folder, mesh=mesh)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
     ids = _prompt_ids(args, model.tokenizer, folder)
     proposer = _proposer(args, model)

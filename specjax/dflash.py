@@ -282,7 +282,7 @@ def load_dflash(path: str | Path, target: Model, dtype: Any = None) -> Drafter:
     check_fits(cfg, target.config, str(folder / "config.json"))
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(target.dtype)
     params = checkpoint.layers_from_hf(checkpoint.iter_tensors(folder, hf_shapes(cfg), dtype), cfg.layer_config,
-                                       DRAFT_LAYERS, transform=cpu_kernels.pack_tree)
+                                       DRAFT_LAYERS, transform=checkpoint.packed)
     return Drafter(params, cfg, dtype, folder)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import checkpoint, cpu_kernels
+from . import checkpoint
 from .checkpoint import CheckpointError, Params
 from .config import ConfigError, Qwen3Config, parse_eos, read_json
 from .runtime import enable_compilation_cache
@@ -56,15 +56,25 @@ def _generation_eos(folder: Path, cfg: Qwen3Config) -> Qwen3Config:
     return cfg
 
 
-def load(path: str | Path, dtype: Any = None) -> Model:
-    """Load a local Hugging Face Qwen3 folder (weights sharded or not, any float dtype)."""
+def load(path: str | Path, dtype: Any = None, mesh: Any = None) -> Model:
+    """Load a local Hugging Face Qwen3 folder (weights sharded or not, any float dtype).
+
+    With a `jax.sharding.Mesh`, each weight is placed tensor-parallel over it as it is read
+    (`specjax.sharding`), so a model larger than one device's memory loads; the result is
+    what `specjax.shard` makes of the whole model.
+    """
     enable_compilation_cache()
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a directory")
     cfg = _generation_eos(folder, Qwen3Config.from_file(folder / "config.json"))
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
-    params = checkpoint.load_params(folder, cfg, dtype, transform=cpu_kernels.pack_tree)
+    if mesh is None:
+        transform = checkpoint.packed
+    else:
+        from .sharding import placer
+        transform = placer(mesh)
+    params = checkpoint.load_params(folder, cfg, dtype, transform)
     return Model(cfg, params, dtype, _load_tokenizer(folder), folder)
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import cpu_kernels
-from .checkpoint import LAYERS, Params
+from .checkpoint import LAYERS, Params, Transform
 from .model import Model
 
 AXIS = "tp"
@@ -58,23 +58,34 @@ def spec_for(name: str, shape: tuple[int, ...], n_devices: int, axis: str = AXIS
     return PartitionSpec(*([None] * dim), axis)
 
 
-def shard_params(params: Params, mesh: Mesh, axis: str = AXIS) -> Params:
-    """The parameter tree (inference layout) placed over `mesh` by spec_for."""
+def placer(mesh: Mesh, axis: str = AXIS) -> Transform:
+    """A loading transform (`checkpoint.layers_from_hf`) that places a weight, or every
+    weight of a layer, over `mesh` by spec_for (in the HF layout: XLA's dots then)."""
     n = mesh.shape[axis]
-    params = cpu_kernels.unpack_tree(params)  # split in the HF layout (XLA's dots then)
 
     def put(name: str, leaf: Any) -> jax.Array:
+        leaf = cpu_kernels.unpack_tree(leaf)
         return jax.device_put(leaf, NamedSharding(mesh, spec_for(name, leaf.shape, n, axis)))
 
+    def place(name: str, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: put(f"{name}.{k}", w) for k, w in value.items()}
+        return put(name, value)
+
+    return place
+
+
+def shard_params(params: Params, mesh: Mesh, axis: str = AXIS) -> Params:
+    """The parameter tree (inference layout) placed over `mesh` by spec_for."""
+    place = placer(mesh, axis)
     out: Params = {}
     for key, value in params.items():
         if key == LAYERS:
             if not isinstance(value, tuple):
                 raise ShardingError("shard_params needs the inference layout (checkpoint.unstack)")
-            out[key] = tuple({name: put(f"{LAYERS}.{i}.{name}", w) for name, w in layer.items()}
-                             for i, layer in enumerate(value))
+            out[key] = tuple(place(f"{LAYERS}.{i}", layer) for i, layer in enumerate(value))
         else:
-            out[key] = put(key, value)
+            out[key] = place(key, value)
     return out
 
 

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 CHILD = textwrap.dedent("""
-    import json, sys
+    import json, sys, tempfile
     import numpy as np, jax, jax.numpy as jnp
     import specjax
     from specjax import checkpoint, dflash, qwen3, sharding
@@ -35,6 +35,8 @@ CHILD = textwrap.dedent("""
     want = np.asarray(forward(params))
     drafter = dflash.init(cfg, jax.random.key(seed + 1), num_layers=1, block_size=4, target_layer_ids=(0, 2), std=0.3)
     out = {"devices": len(jax.devices()), "meshes": {}}
+    folder = tempfile.mkdtemp()
+    checkpoint.save(folder, params, cfg, dtype="float32")
     for n in (2, 4):
         sm = sharding.shard(model, sharding.make_mesh(jax.devices()[:n]))
         placed = {}
@@ -43,6 +45,10 @@ CHILD = textwrap.dedent("""
                 (k, v) for k, v in sm.params[checkpoint.LAYERS][1].items()]:
             placed[name] = {"spec": [a for a in leaf.sharding.spec], "full": list(leaf.shape),
                             "local": list(leaf.addressable_shards[0].data.shape), "n_shards": len(leaf.addressable_shards)}
+        streamed = specjax.load(folder, mesh=sharding.make_mesh(jax.devices()[:n])).params
+        differ = [jax.tree_util.keystr(path) for (path, a), b in
+                  zip(jax.tree_util.tree_leaves_with_path(sm.params), jax.tree.leaves(streamed))
+                  if not (a.sharding == b.sharding and np.array_equal(a, b))]
         got = np.asarray(forward(sm.params))
         plain = specjax.generate(sm, ids, max_new_tokens=20).tokens
         runs = {"ngram": specjax.generate(sm, ids, max_new_tokens=20, speculative=NgramProposer(k=4)).tokens,
@@ -51,7 +57,8 @@ CHILD = textwrap.dedent("""
         sampled = specjax.generate(sm, ids, max_new_tokens=20, sampling=sampling, seed=3).tokens
         sampled_spec = specjax.generate(sm, ids, max_new_tokens=20, sampling=sampling, seed=3,
                                         speculative=NgramProposer(k=4)).tokens
-        out["meshes"][n] = {"placed": placed, "max_logit_diff": float(np.abs(got - want).max()),
+        out["meshes"][n] = {"placed": placed, "streamed_differ": differ,
+                            "streamed_leaves": len(jax.tree.leaves(streamed)), "max_logit_diff": float(np.abs(got - want).max()),
                             "logit_scale": float(np.abs(want).max()), "plain": list(map(int, plain)),
                             "spec": {k: list(map(int, v)) for k, v in runs.items()},
                             "sampled": list(map(int, sampled)), "sampled_spec": list(map(int, sampled_spec))}
@@ -91,6 +98,15 @@ def test_weights_split_megatron_style(sharded):
             else:  # norms: every device holds all of it
                 assert not any(p["spec"]), (seed, name, p)
             assert p["local"] == want, (seed, name, p)
+
+
+def test_loading_onto_a_mesh_places_as_shard_does(sharded):
+    """specjax.load(mesh=...) places each weight as it is read; the result is the tree
+    shard() makes of the loaded model, leaf for leaf (placement and values)."""
+    seed, out = sharded
+    for mesh in out["meshes"].values():
+        assert mesh["streamed_leaves"] == 3 + 3 * 8, seed  # embed, norm, head; 3 layers of 8 (q/k/v, gate/up fused)
+        assert mesh["streamed_differ"] == [], (seed, mesh["streamed_differ"])
 
 
 def test_sharded_logits_match_unsharded(sharded):
