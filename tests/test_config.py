@@ -132,13 +132,13 @@ def test_layers_are_fused_and_finished_as_they_arrive(rng, attention_bias):
             pulled[0] += 1
             yield n, tensors[n]
 
-    def transform(x):
+    def transform(name, x):
         if isinstance(x, dict):
-            finished.append(pulled[0])
+            finished.append((name, pulled[0]))
         return x
 
     params = checkpoint.layers_from_hf(stream(shapes), cfg, transform=transform)
-    assert finished == [top + (i + 1) * len(layer_names) for i in range(cfg.num_hidden_layers)]
+    assert finished == [(f"model.layers.{i}", top + (i + 1) * len(layer_names)) for i in range(cfg.num_hidden_layers)]
     for i, layer in enumerate(params["model.layers"]):
         hf = {n.split(".", 3)[3]: tensors[n] for n in shapes if n.startswith(f"model.layers.{i}.")}
         expect = {k: v for k, v in hf.items() if not k.startswith(("self_attn.q_proj", "self_attn.k_proj",
