@@ -146,7 +146,11 @@ def _prompt_ids(args, tokenizer, folder: Path) -> list[int]:
             raise UsageError("--chat: this model's tokenizer has no chat template")
         return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False))
-    return tokenizer(text)["input_ids"]
+    ids = tokenizer(text)["input_ids"]
+    if not ids:
+        raise UsageError(f"{'--prompt-file ' + str(args.prompt_file) if args.prompt_file else '--prompt'}: "
+                         "the prompt is empty (it tokenizes to no tokens)")
+    return ids
 
 
 def _proposer(args, target):

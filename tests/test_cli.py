@@ -61,6 +61,7 @@ def test_prompt_ids_for_a_folder_without_tokenizer(tmp_path, capsys, rng):
     (["generate", "--prompt-ids", "1,x"], "comma-separated integers"),
     (["generate", "--prompt-ids", "1,99999"], "prompt token ids must be in"),
     (["generate", "--prompt", "x", "--seed", "-1"], "seed must be"),
+    (["generate", "--prompt", ""], "--prompt: the prompt is empty"),
 ])
 def test_bad_input_exits_2(argv, match, capsys, folder):
     if "--model" not in argv:
