@@ -2,7 +2,7 @@
 # Continue training the shipped target on an accelerator for a fixed time, then evaluate it;
 # the export and the figures land in $OUT (the device tool's output folder).
 #
-#   bash train/accelerator.sh [MINUTES] [DATA]       defaults: 6, runs/data-s17
+#   bash train/accelerator.sh [MINUTES] [DATA]       defaults: 6, runs/data-s19
 #
 # Installs nothing: it needs the repository's runtime and training packages importable
 # (jax, optax, orbax-checkpoint, flax, safetensors, tokenizers, tqdm). DATA is a
@@ -13,10 +13,10 @@
 # ends inside the budget; a timeout (SIGTERM makes the trainer save) guards the rest.
 # Orbax state stays outside $OUT (it is 3x the model); $OUT gets the bf16 export
 # (`tiny-code/`, the layout of checkpoints/tiny-code), `eval.json` and the logs.
-# Two cores train ~600 tok/s; a few minutes of a GPU are hours here (issue 3).
+# Two cores train ~940 tok/s; a few minutes of a GPU are hours here (issue 3).
 set -euo pipefail
 MINUTES=${1:-6}
-DATA=${2:-runs/data-s17}
+DATA=${2:-runs/data-s19}
 OUT=${OUT:-runs/accelerator}
 WORK=${WORK:-/tmp/specjax-accelerator}
 BATCH=${BATCH:-32}
