@@ -56,7 +56,7 @@ def _generation_eos(folder: Path, cfg: Qwen3Config) -> Qwen3Config:
     return cfg
 
 
-def load(path: str | Path, dtype: Any = None, mesh: Any = None) -> Model:
+def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = None) -> Model:
     """Load a local Hugging Face Qwen3 folder (weights sharded or not, any float dtype).
 
     With a `jax.sharding.Mesh`, each weight is placed tensor-parallel over it as it is read
