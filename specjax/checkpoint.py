@@ -114,8 +114,9 @@ def layers_from_hf(items: Iterable[tuple[str, Any]], cfg: Qwen3Config, prefix: s
         layer[sub] = value
         if len(layer) == per_layer:
             layers[int(i)] = transform(f"{prefix}.{i}", _fuse(pending.pop(int(i))))
-    for i, layer in pending.items():
-        layers[i] = transform(f"{prefix}.{i}", _fuse(layer))
+    if pending:  # callers pass whole checkpoints (iter_tensors checks presence); never a partial layer
+        raise CheckpointError(f"{prefix}: layer(s) {sorted(pending)} lack tensors "
+                              f"{sorted(set(layer_shapes(cfg)) - set(next(iter(pending.values()))))[:5]}")
     return {**{k: transform(k, v) for k, v in top.items()}, prefix: tuple(layers)}
 
 
