@@ -136,7 +136,7 @@ def unstack(params: Params, key: str = LAYERS) -> Params:
     Each layer's weights are then separate buffers that a jitted step's dots read in
     place; a stacked [L, ...] array is sliced per layer inside the step, and XLA:CPU copies
     each slice before its dot (S config decode: 12.5 -> 6.5 ms without the cache).
-    The stacked layout stays the training one (one compiled layer body under lax.scan).
+    The stacked layout stays the stored training one (optimizer state, orbax checkpoints).
     """
     layers = params[key]
     if isinstance(layers, tuple):

@@ -1,9 +1,10 @@
 """Qwen3 decoder as pure functions over the runtime parameter tree (see checkpoint.py).
 
 Shape letters are those of kv.py. With `kv=None` attention is causal over the given tokens
-only (training, parity tests); with a KVCache the tokens' keys and values are written at
-their absolute positions first and every query attends to all slots at or before its own
-position (with a cache, each row's T positions must be contiguous). Numerics follow
+only (training, parity tests; each row's positions must increase along T); with a KVCache
+the tokens' keys and values are written at their absolute positions first and every query
+attends to all slots at or before its own position (with a cache, each row's T positions
+must be contiguous). Numerics follow
 transformers' Qwen3: norms, softmax and logits in float32. Layers run under `lax.scan` in
 the stacked (training) layout and as a Python loop in the unstacked (inference) one.
 """
@@ -58,6 +59,25 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
     """Grouped-query attention; q [B, T, H, E], k/v [B, K, S, E]; key j is seen iff k_pos <= q_pos."""
     return attend_masked(q, k, v, k_pos[:, None, :] <= q_pos[:, :, None])
+
+
+CAUSAL_BLOCK = 256
+
+
+def attend_causal(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+                  block: int = CAUSAL_BLOCK) -> jax.Array:
+    """`attend` of T tokens over themselves (positions [B, T] increasing along T), by blocks
+    of `block` queries that score only the keys up to their block's end.
+
+    The keys past a block are masked for all its queries anyway (positions increase), so
+    this is the same softmax minus exactly-zero terms; it skips ~(1 - 1/n)/2 of the scores
+    for n blocks, and their [B, K, T*G, T] float32 buffers, which training keeps for the
+    backward pass (docs/performance.md, "The training step").
+    """
+    starts = range(0, q.shape[1], block)
+    return jnp.concatenate([attend(q[:, s:s + block], k[:, :, :s + block], v[:, :, :s + block],
+                                   positions[:, s:s + block], positions[:, :s + block])
+                            for s in starts], axis=1)
 
 
 def attend_masked(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -119,7 +139,7 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
              positions, cfg.rope_theta)
     v = v.reshape(b, t, nk, hd)
     if cache is None:
-        attn = attend(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions, positions)
+        attn = attend_causal(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions)
     else:
         k_pool, v_pool, page_table, page_size, slot_pos = cache
         k_pool, v_pool = kvlib.write_layer(k_pool, v_pool, layer, k, v, page_table, positions[:, 0], page_size)

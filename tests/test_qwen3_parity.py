@@ -32,6 +32,30 @@ def test_logits_match_transformers(tmp_path, rng, case):
     _compare(ref, specjax.load(tmp_path), rng)
 
 
+def test_logits_match_transformers_across_causal_blocks(tmp_path, rng):
+    """Without a cache, attention runs in blocks of queries (qwen3.attend_causal): a
+    sequence spanning three blocks, the last one ragged, still matches transformers."""
+    ref = hf_tiny(tmp_path, seed=int(rng.integers(1 << 30)), **CASES["gqa3-untied-theta"])
+    _compare(ref, specjax.load(tmp_path), rng, batch=1, length=2 * qwen3.CAUSAL_BLOCK + 37)
+
+
+@pytest.mark.parametrize("block", [1, 5, 16, 64])
+def test_blocked_causal_attention_is_causal_softmax_attention(rng, block):
+    """attend_causal against a NumPy causal softmax attention (GQA: 6 query heads over 2)."""
+    b, t, h, kh, e = 2, 37, 6, 2, 8
+    q = rng.standard_normal((b, t, h, e)).astype(np.float32)
+    k, v = rng.standard_normal((2, b, kh, t, e)).astype(np.float32)
+    got = np.asarray(qwen3.attend_causal(q, k, v, np.broadcast_to(np.arange(t), (b, t)), block))
+    kq = np.repeat(k, h // kh, axis=1).astype(np.float64)  # query head i reads kv head i // 3
+    vq = np.repeat(v, h // kh, axis=1).astype(np.float64)
+    scores = np.einsum("bthe,bhse->bhts", q, kq) / np.sqrt(e)
+    scores = np.where(np.tril(np.ones((t, t), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = np.einsum("bhts,bhse->bthe", probs, vq).reshape(b, t, h * e)
+    assert np.abs(got - want).max() <= 1e-5
+
+
 def test_sharded_checkpoint(tmp_path, rng):
     ref = hf_tiny(tmp_path, seed=int(rng.integers(1 << 30)), max_shard_size="20KB", tie_word_embeddings=False)
     assert (tmp_path / "model.safetensors.index.json").is_file()

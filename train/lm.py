@@ -92,7 +92,9 @@ def loss_fn(params: Any, cfg: Qwen3Config, windows: jax.Array, weights: jax.Arra
     by ``weights`` [B, T+1] (aligned with ``windows``; a target's weight is at its place)."""
     tokens, targets = windows[:, :-1], windows[:, 1:]
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    logits, _, _ = qwen3.forward(params, cfg, tokens, positions)
+    # Layers unrolled (the inference layout's loop, not lax.scan): under scan XLA:CPU
+    # copies each layer's saved activations into and out of stacked buffers.
+    logits, _, _ = qwen3.forward(checkpoint.unstack(params), cfg, tokens, positions)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     if weights is None:
         return ce.mean()
