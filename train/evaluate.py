@@ -119,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--edit-seed", type=int, default=1, help="which held-out edits (1: the model card's)")
     ap.add_argument("--samples", type=int, default=3)
     args = ap.parse_args(argv)
+    for flag, value in (("--edits", args.edits), ("--samples", args.samples)):
+        if value < 0:
+            ap.error(f"{flag} must be >= 0 (0 skips that part), got {value}")
     model = specjax.load(args.model)
     tokens, _, stats = encode_documents(model.tokenizer.backend_tokenizer, corpus.heldout_documents(), "held-out files")
     loss = heldout_loss(model, tokens)
@@ -128,9 +131,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "parameters": int(sum(np.prod(x.shape) for x in jax.tree.leaves(cpu_kernels.unpack_tree(model.params)))),
         "heldout_nats_per_token": loss,
         "heldout_bits_per_byte": loss / math.log(2) / bytes_per_token,
-        "rename": rename_accuracy(model, args.edits, seed=args.edit_seed),
-        "samples": continuations(model, args.samples),
     }
+    if args.edits:
+        report["rename"] = rename_accuracy(model, args.edits, seed=args.edit_seed)
+    report["samples"] = continuations(model, args.samples)
     print(json.dumps(report, indent=1))
 
 
