@@ -4,9 +4,9 @@ Shape letters are those of kv.py. With `kv=None` attention is causal over the gi
 only (training, parity tests; each row's positions must increase along T); with a KVCache
 the tokens' keys and values are written at their absolute positions first and every query
 attends to all slots at or before its own position (with a cache, each row's T positions
-must be contiguous). Numerics follow
-transformers' Qwen3: norms, softmax and logits in float32. Layers run under `lax.scan` in
-the stacked (training) layout and as a Python loop in the unstacked (inference) one.
+must be contiguous). Numerics follow transformers' Qwen3: norms, softmax and logits in
+float32. Layers run under `lax.scan` in the stacked layout and as a Python loop in the
+unstacked (inference) one.
 """
 
 from __future__ import annotations
