@@ -49,7 +49,7 @@ TARGETS = {"specjax_paged_attention": "SpecjaxPagedAttention", "specjax_matmul":
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
 # Head sizes the kernel is instantiated for (E / 8 vectors of eight floats).
 HEAD_DIMS = (16, 24, 32, 48, 64, 96, 128)
-# The attention kernel's work grows with the query rows of a call (B * T * G); past this
+# The attention kernel's work grows with the query rows of a sequence (T * G); past this
 # XLA's batched GEMM (prefill chunks) is the better tool.
 MAX_ROWS = 64
 # Outputs per panel of a packed weight: one 64-byte line per input column (csrc/matmul.cc).
@@ -111,8 +111,9 @@ def _on_cpu(*arrays: jax.Array) -> bool:
 
 
 def applies(q: jax.Array, pool: jax.Array) -> bool:
-    """Whether a step with queries q [B, T, H, E] over `pool` should use the attention kernel."""
-    rows = q.shape[0] * q.shape[1] * (q.shape[2] // pool.shape[1])
+    """Whether a step with queries q [B, T, H, E] over `pool` should use the attention kernel
+    (it works row by row, so the limit is on one row's queries)."""
+    rows = q.shape[1] * (q.shape[2] // pool.shape[1])
     return rows <= MAX_ROWS and q.shape[3] in HEAD_DIMS and _on_cpu(q, pool)
 
 
@@ -147,9 +148,10 @@ def kv_write(k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, k: jax.Arra
 
 
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
-                    slot_pos: jax.Array, q_pos: jax.Array, fallback: Callable[..., jax.Array]) -> jax.Array:
+                    slots: jax.Array, q_pos: jax.Array, fallback: Callable[..., jax.Array]) -> jax.Array:
     """Attention of q [B, T, H, E] at positions q_pos [B, T] over layer `layer` of the pools
-    [L, K, P, Z, E], slot s visible iff slot_pos [B, P*Z] <= the query's position: [B, T, H*E].
+    [L, K, P, Z, E]; slots [B, N] is the pool slot of each position of a row (`kv.row_slots`)
+    and a query sees the positions up to its own: [B, T, H*E].
 
     `fallback` (same arguments and result, in XLA ops) runs under `jax.vmap` (one pool per
     mapped element, e.g. batched reply generation for drafter training)."""
@@ -165,7 +167,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: j
         args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, batched in zip(args, in_batched)]
         return jax.vmap(lambda *a: fallback(*a).reshape(*a[0].shape))(*args), True
 
-    out = call(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), slot_pos.astype(jnp.int32), q_pos.astype(jnp.int32))
+    out = call(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32), q_pos.astype(jnp.int32))
     return out.reshape(b, t, h * e)
 
 

@@ -89,14 +89,11 @@ def layer_slots(pool: jax.Array, layer: jax.Array) -> jax.Array:
     return pool[layer].reshape(k, p * z, e)
 
 
-def slot_positions(page_table: jax.Array, n_pages: int, page_size: int) -> jax.Array:
-    """[B, P * Z] absolute position that each physical slot holds for each row; slots of
-    pages a row does not own get int32 max, so no query of that row ever sees them."""
+def row_slots(page_table: jax.Array, page_size: int) -> jax.Array:
+    """[B, Pr * Z] the pool slot (page * Z + offset) that holds each position of each row:
+    what attention reads, in position order, wherever a row's pages lie in the pool."""
     b, per_row = page_table.shape
-    logical = jnp.full((b, n_pages), -1, jnp.int32).at[jnp.arange(b)[:, None], page_table].set(
-        jnp.arange(per_row, dtype=jnp.int32))
-    pos = logical[:, :, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)
-    return jnp.where(logical[:, :, None] >= 0, pos, jnp.iinfo(jnp.int32).max).reshape(b, n_pages * page_size)
+    return (page_table[:, :, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)).reshape(b, per_row * page_size)
 
 
 def truncate(kv: KVCache, lengths: jax.Array) -> KVCache:

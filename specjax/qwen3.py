@@ -98,31 +98,16 @@ def attend_masked(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     return out.reshape(b, kh, t, g, e).transpose(0, 2, 1, 3, 4).reshape(b, t, h * e)
 
 
-def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention of every row over one shared key set: q [B, T, H, E],
-    k/v [K, S, E] (a layer's whole page pool), mask [B, T, S].
-
-    Rows are folded into the query rows ([K, B*T*G, E]) so the pool is read in place, with
-    no per-row gather of pages (a copy of the cache per layer per step).
-    """
-    b, t, h, e = q.shape
-    kh = k.shape[0]
-    g = h // kh
-    qg = q.reshape(b, t, kh, g, e).transpose(2, 0, 1, 3, 4).reshape(kh, b * t * g, e)
-    scores = jax.lax.dot_general(qg, k, (((2,), (2,)), ((0,), (0,))),
-                                 preferred_element_type=jnp.float32) * (e ** -0.5)  # [K, B*T*G, S]
-    rows = jnp.broadcast_to(mask[:, :, None, :], (b, t, g, mask.shape[-1])).reshape(b * t * g, -1)
-    probs = jax.nn.softmax(jnp.where(rows[None], scores, -jnp.inf), axis=-1).astype(v.dtype)
-    out = jax.lax.dot_general(probs, v, (((2,), (1,)), ((0,), (0,))))  # [K, B*T*G, E]
-    return out.reshape(kh, b, t, g, e).transpose(1, 2, 0, 3, 4).reshape(b, t, h * e)
-
-
 def _attend_layer(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
-                  slot_pos: jax.Array, positions: jax.Array) -> jax.Array:
-    """XLA's attention of q [B, T, H, E] over one layer of the pools (see attend_pool)."""
-    mask = slot_pos[:, None, :] <= positions[:, :, None]  # [B, T, P*Z]
-    return attend_pool(q, kvlib.layer_slots(k_pool, layer).astype(q.dtype),
-                       kvlib.layer_slots(v_pool, layer).astype(q.dtype), mask)
+                  slots: jax.Array, positions: jax.Array) -> jax.Array:
+    """XLA's attention of q [B, T, H, E] over one layer of the pools: each row gathers its
+    own positions (slots [B, N], `kv.row_slots`), so its cost follows its own length, not
+    the pool's or the batch's."""
+    n = slots.shape[1]
+    k = jnp.take(kvlib.layer_slots(k_pool, layer), slots, axis=1).transpose(1, 0, 2, 3)  # [B, K, N, E]
+    v = jnp.take(kvlib.layer_slots(v_pool, layer), slots, axis=1).transpose(1, 0, 2, 3)
+    mask = jnp.arange(n)[None, None, :] <= positions[:, :, None]  # [B, T, N]
+    return attend_masked(q, k.astype(q.dtype), v.astype(q.dtype), mask)
 
 
 def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
@@ -141,13 +126,13 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
     if cache is None:
         attn = attend_causal(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions)
     else:
-        k_pool, v_pool, page_table, page_size, slot_pos = cache
+        k_pool, v_pool, page_table, page_size, slots = cache
         k_pool, v_pool = kvlib.write_layer(k_pool, v_pool, layer, k, v, page_table, positions[:, 0], page_size)
         if cpu_kernels.applies(q, k_pool):
-            attn = cpu_kernels.paged_attention(q, k_pool, v_pool, layer, slot_pos, positions, _attend_layer)
+            attn = cpu_kernels.paged_attention(q, k_pool, v_pool, layer, slots, positions, _attend_layer)
         else:
-            attn = _attend_layer(q, k_pool, v_pool, layer, slot_pos, positions)
-        cache = (k_pool, v_pool, page_table, page_size, slot_pos)
+            attn = _attend_layer(q, k_pool, v_pool, layer, slots, positions)
+        cache = (k_pool, v_pool, page_table, page_size, slots)
     x = x + linear(attn, lp["self_attn.o_proj.weight"], lp.get("self_attn.o_proj.bias"))
     return mlp(lp, x, cfg.rms_norm_eps), cache
 
@@ -167,12 +152,12 @@ def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions
     def body(carry, xs):
         x, pools = carry
         lp, layer = xs
-        c = None if pools is None else (*pools, kv.page_table, kv.page_size, slot_pos)
+        c = None if pools is None else (*pools, kv.page_table, kv.page_size, slots)
         x, c = _layer(cfg, lp, x, positions, c, layer)
         return (x, None if c is None else c[:2]), (x if taps else None)
 
     pools = None if cache is None else cache[:2]
-    slot_pos = None if kv is None else kvlib.slot_positions(kv.page_table, kv.k.shape[2], kv.page_size)
+    slots = None if kv is None else kvlib.row_slots(kv.page_table, kv.page_size)
     if isinstance(params[LAYERS], tuple):  # inference layout: one traced copy per layer
         per_layer = []
         for i, lp in enumerate(params[LAYERS]):

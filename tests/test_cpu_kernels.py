@@ -17,54 +17,69 @@ def _case(rng, e: int, kv_heads: int, groups: int, rows: int = 2, pages: int = 6
     k = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     v = jnp.asarray(rng.standard_normal(shape), jnp.float32)
     table = jnp.asarray(rng.permutation(rows * pages).reshape(rows, pages), jnp.int32)
-    return k, v, table, kvlib.slot_positions(table, rows * pages, page)
+    return k, v, table, kvlib.row_slots(table, page)
 
 
 _xla = qwen3._attend_layer
 
 
-def _kernel(q, k, v, layer, slot_pos, q_pos):
-    return cpu_kernels.paged_attention(q, k, v, layer, slot_pos, q_pos, _xla)
+def _kernel(q, k, v, layer, slots, q_pos):
+    return cpu_kernels.paged_attention(q, k, v, layer, slots, q_pos, _xla)
 
 
 @pytest.mark.parametrize("e,kv_heads,groups,t", [(64, 2, 3, 1), (64, 2, 3, 8), (24, 2, 2, 5), (128, 1, 4, 3),
                                                  (16, 4, 1, 16)])
 def test_matches_xla_attention(rng, e, kv_heads, groups, t):
-    k, v, _, slot_pos = _case(rng, e, kv_heads, groups)
+    k, v, _, slots = _case(rng, e, kv_heads, groups)
     q = jnp.asarray(rng.standard_normal((2, t, kv_heads * groups, e)) * 2, jnp.float32)
     starts = rng.integers(0, 6 * 16 - t, size=2)
     q_pos = jnp.asarray(starts[:, None] + np.arange(t), jnp.int32)
     for layer in (0, 1):
-        got = _kernel(q, k, v, jnp.int32(layer), slot_pos, q_pos)
-        want = _xla(q, k, v, layer, slot_pos, q_pos)
+        got = _kernel(q, k, v, jnp.int32(layer), slots, q_pos)
+        want = _xla(q, k, v, layer, slots, q_pos)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)  # f32 composites, as the parity suite
 
 
 def test_a_query_gets_the_same_bits_alone_or_with_others(rng):
     """What makes a verify step's attention equal the decode step's for the same token."""
-    k, v, _, slot_pos = _case(rng, 64, 2, 3)
+    k, v, _, slots = _case(rng, 64, 2, 3)
     q = jnp.asarray(rng.standard_normal((2, 8, 6, 64)), jnp.float32)
     q_pos = jnp.asarray([[40 + i for i in range(8)], [70 + i for i in range(8)]], jnp.int32)
-    together = np.asarray(_kernel(q, k, v, jnp.int32(1), slot_pos, q_pos))
+    together = np.asarray(_kernel(q, k, v, jnp.int32(1), slots, q_pos))
     for t in range(8):
-        alone = _kernel(q[:1, t:t + 1], k, v, jnp.int32(1), slot_pos[:1], q_pos[:1, t:t + 1])
+        alone = _kernel(q[:1, t:t + 1], k, v, jnp.int32(1), slots[:1], q_pos[:1, t:t + 1])
         np.testing.assert_array_equal(np.asarray(alone)[0, 0], together[0, t])
+
+
+def test_a_row_gets_the_same_bits_wherever_its_pages_lie(rng):
+    """The same keys and values at the same positions, in pages placed elsewhere in the pool
+    (a request alone or in a batch, after other requests freed pages): bitwise equal."""
+    k, v, table, slots = _case(rng, 64, 2, 3)
+    q = jnp.asarray(rng.standard_normal((2, 4, 6, 64)), jnp.float32)
+    q_pos = jnp.asarray([[60 + i for i in range(4)], [85 + i for i in range(4)]], jnp.int32)
+    before = np.asarray(_kernel(q, k, v, jnp.int32(1), slots, q_pos))
+    move = rng.permutation(k.shape[2])  # new page of each old page
+    inverse = np.argsort(move)
+    k2, v2 = k[:, :, inverse], v[:, :, inverse]  # old page p now at move[p]
+    table2 = jnp.asarray(move[np.asarray(table)], jnp.int32)
+    after = np.asarray(_kernel(q, k2, v2, jnp.int32(1), kvlib.row_slots(table2, 16), q_pos))
+    np.testing.assert_array_equal(before, after)
 
 
 def test_unseen_slots_do_not_matter(rng):
     """Keys and values past a query's position, or in pages its row does not own, are never read."""
-    k, v, table, slot_pos = _case(rng, 32, 2, 2)
+    k, v, table, slots = _case(rng, 32, 2, 2)
     q = jnp.asarray(rng.standard_normal((2, 3, 4, 32)), jnp.float32)
     q_pos = jnp.asarray([[20, 21, 22], [50, 51, 52]], jnp.int32)
-    before = np.asarray(_kernel(q, k, v, jnp.int32(0), slot_pos, q_pos))
-    unseen = np.asarray(slot_pos > q_pos.max(axis=1)[:, None])  # [B, S]
-    hidden = np.zeros(slot_pos.shape[1], bool)
-    hidden[np.all(unseen, axis=0)] = True  # slots no row sees
+    before = np.asarray(_kernel(q, k, v, jnp.int32(0), slots, q_pos))
+    hidden = np.ones(k.shape[2] * k.shape[3], bool)
+    for b, top in enumerate(np.asarray(q_pos).max(axis=1)):
+        hidden[np.asarray(slots)[b, :top + 1]] = False  # slots some row sees
     noise = rng.standard_normal(k.shape[:2] + (k.shape[2] * k.shape[3], k.shape[4])) * 100
     flat = lambda x: x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])
     k2 = jnp.where(hidden[None, None, :, None], flat(k) + noise, flat(k)).reshape(k.shape)
     v2 = jnp.where(hidden[None, None, :, None], flat(v) - noise, flat(v)).reshape(v.shape)
-    after = np.asarray(_kernel(q, k2, v2, jnp.int32(0), slot_pos, q_pos))
+    after = np.asarray(_kernel(q, k2, v2, jnp.int32(0), slots, q_pos))
     assert hidden.sum() > 16
     np.testing.assert_array_equal(before, after)
 
@@ -178,11 +193,11 @@ def test_under_vmap_matmul_and_attention_agree_with_xla(rng):
     got = jax.vmap(lambda x, w: cpu_kernels.matmul(x, _packed(w)))(x, ws)
     np.testing.assert_allclose(np.asarray(got), np.einsum("bmd,bnd->bmn", x, ws), rtol=1e-4, atol=1e-4)
     cases = [_case(np.random.default_rng(i), 32, 2, 2) for i in range(3)]
-    k, v, slot_pos = (jnp.stack([c[i] for c in cases]) for i in (0, 1, 3))
+    k, v, slots = (jnp.stack([c[i] for c in cases]) for i in (0, 1, 3))
     q = jnp.asarray(rng.standard_normal((3, 2, 2, 4, 32)), jnp.float32)
     q_pos = jnp.asarray(np.tile([[30, 31], [60, 61]], (3, 1, 1)), jnp.int32)
-    got = jax.vmap(_kernel, (0, 0, 0, None, 0, 0))(q, k, v, jnp.int32(1), slot_pos, q_pos)
-    want = jax.vmap(_xla, (0, 0, 0, None, 0, 0))(q, k, v, jnp.int32(1), slot_pos, q_pos)
+    got = jax.vmap(_kernel, (0, 0, 0, None, 0, 0))(q, k, v, jnp.int32(1), slots, q_pos)
+    want = jax.vmap(_xla, (0, 0, 0, None, 0, 0))(q, k, v, jnp.int32(1), slots, q_pos)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 

@@ -6,10 +6,12 @@
 // of the slots it may see once, for all of its T*G queries.
 //
 // Shapes (letters of specjax/kv.py): q [B, T, H, E]; k, v [L, K, P, Z, E]; layer [];
-// slot_pos [B, P*Z] (absolute position a slot holds for the row, INT32_MAX if the row does
-// not own it); q_pos [B, T]. Query t of row b sees slot s iff slot_pos[b, s] <= q_pos[b, t].
-// Output [B, T, H, E]. Every query is computed the same way whatever T and B are (fixed
-// summation order), so a token's attention in a verify step equals its decode-step value.
+// slots [B, N] (the pool slot, page * Z + offset, holding position n of row b); q_pos
+// [B, T]. Query t of row b sees positions n <= q_pos[b, t]. A row reads only its own
+// positions, in position order, wherever its pages lie in the pool. Output [B, T, H, E].
+// Every query is computed the same way whatever T, B and the page placement are (fixed
+// summation order), so a token's attention in a verify step equals its decode-step value
+// and a row's equals its value alone.
 
 #include <cmath>
 #include <cstdint>
@@ -37,18 +39,18 @@ using specjax::V8;
 
 constexpr int64_t kSlotBlock = 32;  // slots whose keys (or values) stay in L1 for all queries
 
-// The R = T * G queries of one (row, kv head) against the n slots in `seen` (the slots the
-// row's last position may see, in slot order), keys and values at kb / vb + slot * E; q_at
+// The R = T * G queries of one (row, kv head) against the n slots in `seen` (the slots of
+// positions 0 .. n - 1, the row's last position's view, in position order), keys and values at kb / vb + slot * E; q_at
 // and out_at give query r's vectors, pos[r / G] its position. Slots are taken in blocks
 // that stay in L1 while every query passes over them, so keys and values are read from
 // memory once per call rather than once per query. NV = E / 8 is a template argument.
 //
 // Exactness: a query's scores are each one fixed chain; its softmax runs over the scores
-// of the slots its own position sees (compacted, in slot order), which is the list it
+// of the positions its own position sees (a prefix of the list), which is the list it
 // would have alone; slots it does not see get weight exactly 0 and add exactly nothing
 // to its output. So every query gets the same bits whatever T is.
 template <int NV>
-void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, const int32_t* sp_row,
+void Head(const float* const* q_at, float* const* out_at, const int32_t* pos,
           const float* kb, const float* vb, const int32_t* seen, int64_t n, int64_t R, int64_t G, float scale,
           float* scores, float* weights, float* own, V8* accs) {
   constexpr int64_t E = 8 * NV;
@@ -87,10 +89,10 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
     const float* row = scores + r * n;
     float* wrow = weights + r * n;
     const int32_t p = pos[r / G];
-    int64_t c = 0;  // the scores this query's position sees, in slot order
+    int64_t c = 0;  // the scores this query's position sees: positions 0 .. p
     float m = -INFINITY;
     for (int64_t j = 0; j < n; ++j) {
-      if (sp_row[seen[j]] > p) continue;
+      if (j > p) continue;
       own[c] = row[j] * scale;
       m = own[c] > m ? own[c] : m;
       ++c;
@@ -108,7 +110,7 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
     }
     const float sum = Lanes(sums);
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    for (int64_t j = 0, k = 0; j < n; ++j) wrow[j] = sp_row[seen[j]] > p ? 0.0f : own[k++] * inv;
+    for (int64_t j = 0, k = 0; j < n; ++j) wrow[j] = j > p ? 0.0f : own[k++] * inv;
     for (int i = 0; i < NV; ++i) accs[r * NV + i] = V8{};
   }
   for (int64_t j0 = 0; j0 < n; j0 += kSlotBlock) {
@@ -145,15 +147,16 @@ HeadFn HeadFor(int64_t e) {
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slot_pos,
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
                               ffi::Buffer<ffi::S32> q_pos, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || slot_pos.dimensions().size() != 2)
-    return ffi::Error::InvalidArgument("paged_attention: expected q [B,T,H,E], pools [L,K,P,Z,E], slot_pos [B,S]");
+  if (qd.size() != 4 || kd.size() != 5 || slots.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("paged_attention: expected q [B,T,H,E], pools [L,K,P,Z,E], slots [B,N]");
   const int64_t B = qd[0], T = qd[1], H = qd[2], E = qd[3];
   const int64_t L = kd[0], K = kd[1], S = kd[2] * kd[3];
-  if (kd[4] != E || H % K != 0 || slot_pos.dimensions()[1] != S || slot_pos.dimensions()[0] != B)
+  const int64_t N = slots.dimensions()[1];
+  if (kd[4] != E || H % K != 0 || slots.dimensions()[0] != B)
     return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
   const HeadFn head = HeadFor(E);
   if (head == nullptr) return ffi::Error::InvalidArgument("paged_attention: unsupported head_dim");
@@ -161,16 +164,20 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int32_t l = layer.typed_data()[0];
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("paged_attention: layer out of range");
   const float scale = 1.0f / std::sqrt(static_cast<float>(E));
-  const int32_t* sp = slot_pos.typed_data();
+  const int32_t* sl = slots.typed_data();
   const int32_t* pos = q_pos.typed_data();
 
-  // Per row: the slots its last position may see, in slot order.
+  // Per row: the slots of the positions its last query may see, in position order.
   std::vector<std::vector<int32_t>> seen(B);
   for (int64_t b = 0; b < B; ++b) {
-    int32_t max_pos = std::numeric_limits<int32_t>::min();
+    int64_t max_pos = -1;
     for (int64_t t = 0; t < T; ++t) max_pos = pos[b * T + t] > max_pos ? pos[b * T + t] : max_pos;
-    for (int64_t s = 0; s < S; ++s)
-      if (sp[b * S + s] <= max_pos) seen[b].push_back(static_cast<int32_t>(s));
+    const int64_t n = max_pos + 1 < N ? max_pos + 1 : N;
+    for (int64_t j = 0; j < n; ++j) {
+      const int32_t s = sl[b * N + j];
+      if (s < 0 || s >= S) return ffi::Error::InvalidArgument("paged_attention: slot out of range");
+      seen[b].push_back(s);
+    }
   }
   const int64_t R = T * G;
   ParallelFor(pool, B * K, [&](int64_t u) {
@@ -188,7 +195,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       q_at[r] = q.typed_data() + at;
       out_at[r] = out->typed_data() + at;
     }
-    head(q_at.data(), out_at.data(), pos + b * T, sp + b * S, k.typed_data() + (l * K + kh) * S * E,
+    head(q_at.data(), out_at.data(), pos + b * T, k.typed_data() + (l * K + kh) * S * E,
          v.typed_data() + (l * K + kh) * S * E, seen[b].data(), n, R, G, scale, scratch.data(),
          scratch.data() + R * n, scratch.data() + 2 * R * n, accs.data());
   });
