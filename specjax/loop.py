@@ -166,17 +166,38 @@ def _validate(model: Model, ids: np.ndarray, max_new_tokens: int, capacity: int 
     return capacity
 
 
-def generate(model: Model, ids: Sequence[int], *, max_new_tokens: int, sampling: Sampling = Sampling(),
-             stop_ids: Sequence[int] | None = None, seed: int = 0, speculative: Any = None,
-             capacity: int | None = None, on_tokens: Callable[[list[int]], None] | None = None) -> GenerateResult:
+def is_batch(ids: Any) -> bool:
+    """A list of prompts (each a list or array of ids) or a 2-D array, not one prompt."""
+    if isinstance(ids, np.ndarray):
+        return ids.ndim == 2
+    return isinstance(ids, (list, tuple)) and len(ids) > 0 and all(
+        isinstance(p, (list, tuple, np.ndarray)) for p in ids)
+
+
+def generate(model: Model, ids: Any, *, max_new_tokens: Any, sampling: Any = Sampling(),
+             stop_ids: Any = None, seed: Any = 0, speculative: Any = None,
+             capacity: int | None = None, on_tokens: Callable[[list[int]], None] | None = None
+             ) -> GenerateResult | list[GenerateResult]:
     """Generate up to max_new_tokens after `ids`; stops after emitting any id in stop_ids
     (default: the model's eos ids, as transformers' generate; `()` never stops early).
+
+    `ids` is one prompt (a list of token ids: returns one `GenerateResult`) or a list of
+    prompts (returns a list, one per prompt, run together by `specjax.Engine`; then each of
+    max_new_tokens, sampling, stop_ids and seed may be a list with one value per prompt,
+    and speculative is None or prompt lookup).
 
     With `speculative` (a proposer) the output is the same as without it: token for token
     for greedy decoding and deterministic proposers (bitwise-equal steps: float32 on CPU;
     see the README), in distribution for sampled drafts.
     `on_tokens` receives each step's newly committed tokens (for streaming).
     """
+    if is_batch(ids):
+        if capacity is not None or on_tokens is not None:
+            raise GenerationError("capacity and on_tokens apply to one prompt; a batch sizes its own pool "
+                                  "(use specjax.Engine to stream a batch)")
+        from .engine import generate_batch
+        return generate_batch(model, ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
+                              seed=seed, speculative=speculative)
     ids = _token_ids(ids)
     capacity = _validate(model, ids, max_new_tokens, capacity, seed)
     stops = set(int(s) for s in (model.eos_ids if stop_ids is None else stop_ids))

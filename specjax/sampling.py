@@ -14,6 +14,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
 # Counter streams: separate so that draft sampling, acceptance and residual draws are
 # independent of each other and of the target's own samples at the same position.
@@ -190,3 +192,105 @@ def accept_sampled(logits: jax.Array, drafts: jax.Array, logq: jax.Array, n_draf
     padded = jnp.concatenate([drafts, jnp.zeros((1,), drafts.dtype)])
     tokens = jnp.where(jnp.arange(k + 1) < accepted, padded, fix)
     return tokens.astype(jnp.int32), accepted
+
+
+# ---------------------------------------------------------------------------------------
+# Per-row sampling for batched steps: the settings are traced arrays, one value per row,
+# so rows with different settings share one compiled step and new values compile nothing.
+
+CANDIDATES = 64  # top-k of at most this many runs on the k largest logits, not a sort of V
+
+
+@struct.dataclass
+class RowSampling:
+    """`Sampling` as arrays [N] (one row each): temperature 0 is greedy, top_k 0, top_p 1
+    and min_p 0 are off."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+
+    @classmethod
+    def of(cls, settings: "list[Sampling]") -> "RowSampling":
+        """Host arrays for one row per setting (already validated by `Sampling`)."""
+        return cls(np.array([s.temperature for s in settings], np.float32),
+                   np.array([s.top_k for s in settings], np.int32),
+                   np.array([s.top_p for s in settings], np.float32),
+                   np.array([s.min_p for s in settings], np.float32))
+
+    def repeat(self, n: int) -> "RowSampling":
+        """Each row's values n times in a row ([N] -> [N * n]: the T tokens of a verify row)."""
+        return jax.tree.map(lambda x: jnp.repeat(x, n), self)
+
+
+def _top_p_min_p_rows(x: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+    """`_top_p_min_p` with per-row values [N] (both are no-ops at their defaults)."""
+    order = jnp.argsort(x, axis=-1)
+    sorted_x = jnp.take_along_axis(x, order, axis=-1)
+    cum = jnp.cumsum(jax.nn.softmax(sorted_x, axis=-1), axis=-1)
+    drop_sorted = (cum <= 1.0 - top_p[:, None]).at[..., -1].set(False)
+    drop = jnp.take_along_axis(drop_sorted, jnp.argsort(order, axis=-1), axis=-1)
+    x = jnp.where(drop & (top_p[:, None] < 1.0), -jnp.inf, x)
+    probs = jax.nn.softmax(x, axis=-1)
+    return jnp.where(probs < min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
+
+
+def _min_p_rows(x: jax.Array, min_p: jax.Array) -> jax.Array:
+    probs = jax.nn.softmax(x, axis=-1)
+    return jnp.where(probs < min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
+
+
+def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Array:
+    """One token per row of logits [N, V] under per-row settings; greedy rows take the argmax.
+
+    A sampled row draws by Gumbel-max over its support, with noise indexed by token id
+    (`gumbel(key, [V])[token]`): the token depends only on the row's logits, key and
+    settings, never on the other rows or on which path below served it. Supports follow
+    transformers' chain (temperature, top-k keeping ties at the k-th value, top-p, min-p):
+    - no top-k and no top-p: min-p over the whole vocabulary (no sort);
+    - top-k of at most CANDIDATES (ties included): top-p and min-p on the CANDIDATES
+      largest logits;
+    - otherwise (top-p alone, a larger top-k, more ties than CANDIDATES): a sort of V, under
+      a conditional that runs only when some row needs it.
+    """
+    n, v = logits.shape
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    temp = jnp.where(rs.temperature > 0, rs.temperature, 1.0)
+    x = _tempered(logits, Sampling(1.0)) / temp[:, None]
+    noise = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
+    top_k = jnp.where((rs.top_k > 0) & (rs.top_k < v), rs.top_k, 0)
+
+    plain = jnp.argmax(_min_p_rows(x, rs.min_p) + noise, axis=-1).astype(jnp.int32)
+
+    c = min(CANDIDATES, v)
+    vals, idx = jax.lax.top_k(x, c)
+    vals = jax.lax.optimization_barrier(vals)
+    kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, c - 1)[:, None], axis=-1)  # [N, 1]
+    kept = jnp.where(vals >= kth, vals, -jnp.inf)
+    kept = _top_p_min_p_rows(kept, rs.top_p, rs.min_p)
+    pick = jnp.argmax(kept + jnp.take_along_axis(noise, idx, axis=-1), axis=-1)
+    candidates = jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    fits = (top_k > 0) & (top_k <= c) & (jnp.sum(x >= kth, axis=-1) <= c)
+    full = (rs.temperature > 0) & ((top_k > 0) | (rs.top_p < 1.0)) & ~fits
+
+    def whole_vocabulary(_):
+        desc = -jnp.sort(-x, axis=-1)
+        kth_v = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=-1)
+        y = jnp.where((top_k[:, None] > 0) & (x < kth_v), -jnp.inf, x)
+        return jnp.argmax(_top_p_min_p_rows(y, rs.top_p, rs.min_p) + noise, axis=-1).astype(jnp.int32)
+
+    sorted_tokens = jax.lax.cond(jnp.any(full), whole_vocabulary, lambda _: plain, None)
+    sampled = jnp.where(full, sorted_tokens, jnp.where(fits, candidates, plain))
+    return jnp.where(rs.temperature > 0, sampled, greedy)
+
+
+def target_tokens_rows(logits: jax.Array, positions: jax.Array, seeds: jax.Array, rs: RowSampling,
+                       sampled: bool) -> jax.Array:
+    """The target's token after each logit row [N, V]; row i decides absolute position
+    positions[i] with seeds[i] and setting i. `sampled` (static) is False when every row is
+    greedy: then no noise is drawn at all."""
+    if not sampled:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    keys = jax.vmap(lambda s, p: position_key(s, TARGET, p))(seeds, positions)
+    return sample_rows(logits, keys, rs)

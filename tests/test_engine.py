@@ -1,0 +1,242 @@
+"""The batched engine: every row equals its request run alone, requests join and leave,
+the pool is shared and returned, sampling settings are traced, the chooser adapts."""
+
+import jax
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+import specjax
+from specjax import Sampling, sampling as smp
+from specjax.engine import Engine, Speculation, prior_width_costs, rounds
+from specjax.kv import KVCache
+from specjax.loop import GenerationError
+from specjax.pages import PoolError
+from conftest import repeating_prompt
+
+SETTINGS = [Sampling(), Sampling(0.8), Sampling(0.7, top_k=20), Sampling(1.0, top_p=0.9),
+            Sampling(0.9, top_k=80), Sampling(1.2, top_k=30, top_p=0.8, min_p=0.05)]
+
+
+def _prompts(rng, vocab):
+    """Prompts of different lengths, some that repeat (lookup drafts get accepted), one longer
+    than a prefill chunk."""
+    return [repeating_prompt(rng, vocab, period=5), repeating_prompt(rng, vocab, period=9, repeats=4),
+            rng.integers(0, vocab, 3), rng.integers(0, vocab, 150), repeating_prompt(rng, vocab, period=7),
+            rng.integers(0, vocab, 20)]
+
+
+def test_greedy_rows_equal_plain_generate_alone(cyclic_target, rng):
+    """Against the single-sequence loop (itself checked against transformers): different
+    prompt lengths, max_new_tokens and stop ids in one batch, rows finishing apart."""
+    model = cyclic_target
+    prompts = _prompts(rng, model.config.vocab_size)
+    news = [40, 17, 33, 25, 64, 9]
+    full = [specjax.generate(model, p, max_new_tokens=n, stop_ids=()).tokens for p, n in zip(prompts, news)]
+    stops = [[], [full[1][6]], [], [full[3][2], full[3][20]], [], []]
+    alone = [specjax.generate(model, p, max_new_tokens=n, stop_ids=s) for p, n, s in zip(prompts, news, stops)]
+    for spec in (None, specjax.LookupProposer(k=7)):
+        got = specjax.generate(model, prompts, max_new_tokens=news, stop_ids=stops, speculative=spec)
+        assert [g.tokens for g in got] == [a.tokens for a in alone]
+        assert [g.stopped for g in got] == [a.stopped for a in alone]
+    assert max(g.stats.tokens_per_step for g in got) > 1.2  # lookup drafts were taken somewhere
+
+
+def test_sampled_rows_equal_their_plain_run_alone(cyclic_target, rng):
+    """Deterministic drafts and position-keyed randomness: with any settings in the batch,
+    a row's sampled tokens are those of its request alone without speculation."""
+    model = cyclic_target
+    prompts = _prompts(rng, model.config.vocab_size)
+    seeds = [int(s) for s in rng.integers(0, 2 ** 31, len(prompts))]
+    solo = Engine(model, None, max_batch=1, max_len=256)
+    alone = [solo.submit(p, max_new_tokens=30, sampling=s, seed=sd, stop_ids=()).result().tokens
+             for p, s, sd in zip(prompts, SETTINGS, seeds)]
+    got = specjax.generate(model, prompts, max_new_tokens=30, sampling=SETTINGS, seed=seeds, stop_ids=(),
+                           speculative=specjax.LookupProposer(k=7))
+    assert [g.tokens for g in got] == alone
+    # the same requests in another order (other neighbours, other rows, other pages)
+    order = rng.permutation(len(prompts))
+    again = specjax.generate(model, [prompts[i] for i in order], max_new_tokens=30,
+                             sampling=[SETTINGS[i] for i in order], seed=[seeds[i] for i in order], stop_ids=(),
+                             speculative=specjax.LookupProposer(k=3))
+    assert [g.tokens for g in again] == [alone[i] for i in order]
+
+
+def _enumerated(logits: np.ndarray, s: Sampling) -> np.ndarray:
+    """transformers' sampling distribution re-derived in NumPy: temperature, top-k (ties at
+    the k-th kept), top-p (ascending sort, drop cumulative <= 1 - p, keep the largest),
+    min-p."""
+    x = logits / s.temperature
+    if s.top_k:
+        x = np.where(x < np.sort(x)[::-1][s.top_k - 1], -np.inf, x)
+    if s.top_p < 1:
+        order = np.argsort(x, kind="stable")
+        p = np.exp(x[order] - x.max())
+        cum = np.cumsum(p / p.sum())
+        drop = cum <= 1 - s.top_p
+        drop[-1] = False
+        x = x.copy()
+        x[order[drop]] = -np.inf
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if s.min_p:
+        p = np.where(p < s.min_p * p.max(), 0.0, p)
+        p /= p.sum()
+    return p
+
+
+@pytest.mark.parametrize("s", SETTINGS[1:], ids=str)
+def test_row_sampling_follows_the_distribution(rng, s):
+    """Chi-square of many draws (one key per position) against the enumerated distribution,
+    over a vocabulary larger than the top-k fast path's candidates; other rows' settings in
+    the same call do not change a row's tokens."""
+    v = 150
+    logits = rng.standard_normal(v).astype(np.float32) * 2
+    logits[7] = logits[8] = logits.max() + 0.5  # a tie at the top
+    n = 6000
+    rows = smp.RowSampling.of([s] * n)
+    draw = jax.jit(lambda lg, pos, rs: smp.target_tokens_rows(lg, pos, np.zeros(n, np.uint32), rs, True))
+    tokens = np.asarray(draw(np.repeat(logits[None], n, 0), np.arange(n), rows))
+    want = _enumerated(logits.astype(np.float64), s)
+    assert set(np.flatnonzero(np.bincount(tokens, minlength=v))) <= set(np.flatnonzero(want))
+    seen = np.bincount(tokens, minlength=v)
+    big = want * n >= 5
+    expected = np.append(want[big] * n, want[~big].sum() * n)
+    observed = np.append(seen[big], seen[~big].sum())
+    keep = expected > 0
+    assert scipy_stats.chisquare(observed[keep], expected[keep] * observed[keep].sum() / expected[keep].sum()).pvalue > 1e-4
+    mixed = smp.RowSampling.of([s if i % 2 else SETTINGS[(i // 2) % len(SETTINGS)] for i in range(n)])
+    other = np.asarray(draw(np.repeat(logits[None], n, 0), np.arange(n), mixed))
+    np.testing.assert_array_equal(other[1::2], tokens[1::2])
+
+
+def test_requests_join_while_others_run_and_stream(cyclic_target, rng):
+    model = cyclic_target
+    prompts = _prompts(rng, model.config.vocab_size)[:4]
+    alone = [specjax.generate(model, p, max_new_tokens=36, stop_ids=()).tokens for p in prompts]
+    engine = Engine(model, 7, max_batch=4, max_len=256, rounds=2)
+    first = [engine.submit(p, max_new_tokens=36, stop_ids=()) for p in prompts[:2]]
+    engine.step()
+    engine.step()
+    assert all(0 < len(r.tokens) < 36 for r in first)
+    late = [engine.submit(p, max_new_tokens=36, stop_ids=()) for p in prompts[2:]]
+    streamed = list(late[1])  # drives the engine; every request advances
+    assert streamed == alone[3]
+    assert [r.result().tokens for r in first + late] == alone
+
+
+def test_pool_exhaustion_queues_and_cancel_returns_pages(cyclic_target, rng):
+    model = cyclic_target
+    prompts = [rng.integers(0, model.config.vocab_size, n) for n in (30, 45, 12, 60, 25)]
+    alone = [specjax.generate(model, p, max_new_tokens=40, stop_ids=()).tokens for p in prompts]
+    # each request needs ceil((prompt + 40 + 16) / 16) = 6-8 pages; 17 usable pages hold two
+    engine = Engine(model, 7, max_batch=4, max_len=128, num_pages=18)
+    reqs = [engine.submit(p, max_new_tokens=40, stop_ids=()) for p in prompts]
+    engine.step()
+    assert len(engine.running) == 2 and len(engine.queue) == 3
+    assert [r.result().tokens for r in reqs] == alone
+    assert engine.pages.free_count == engine.pages.usable and engine.pages.reserved == 0
+    with pytest.raises(PoolError, match=r"needs 19 pages of 16 slots; the pool has 17"):
+        Engine(model, None, max_len=512, num_pages=18).submit(prompts[0], max_new_tokens=250)
+    with pytest.raises(PoolError, match="max_len"):
+        engine.submit(prompts[0], max_new_tokens=120)
+    running = engine.submit(prompts[3], max_new_tokens=40, stop_ids=())
+    queued = engine.submit(prompts[1], max_new_tokens=40, stop_ids=())
+    engine.step()
+    assert engine.pages.free_count < engine.pages.usable
+    running.cancel()
+    queued.cancel()
+    assert running.done and queued.done and not engine.has_work()
+    assert engine.pages.free_count == engine.pages.usable and engine.pages.reserved == 0
+    with pytest.raises(GenerationError, match="cancelled"):
+        running.result()
+
+
+def test_new_sampling_values_compile_nothing(cyclic_target, rng):
+    model = cyclic_target
+    prompts = _prompts(rng, model.config.vocab_size)[:3]
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+
+    def run(settings):
+        return specjax.generate(model, prompts, max_new_tokens=20, sampling=settings, seed=[1, 2, 3], stop_ids=(),
+                                speculative=specjax.LookupProposer(k=7))
+
+    run([Sampling(0.7, top_p=0.9), Sampling(1.0, top_k=10), Sampling()])
+    before = len(compiles)
+    run([Sampling(0.3, top_k=40, min_p=0.1), Sampling(1.4, top_p=0.5), Sampling(0.9)])
+    assert len(compiles) == before
+
+
+def _chooser_call(model, history_rows, state_value, costs, row_k=7):
+    """One round of the engine's device call over rows with the given acceptance counts;
+    returns the drafts each row made."""
+    rows = len(history_rows)
+    cfg = model.config
+    h = np.zeros((rows, 256), np.int32)
+    size = np.zeros(rows, np.int32)
+    for b, ids in enumerate(history_rows):
+        h[b, :len(ids)] = ids
+        size[b] = len(ids)
+    pages = 256 // 16
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, rows * pages + 1, 16, cfg.head_dim)
+    kv = KVCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32),
+                 1 + np.arange(rows * pages, dtype=np.int32).reshape(rows, pages), size - 1, page_size=16)
+    accepted, judged = state_value
+    state = {"accepted": np.full((rows, 2, 4), accepted, np.float32), "judged": np.full((rows, 2, 4), judged, np.float32)}
+    _, counts, drafts, _, _, _ = rounds(
+        model.params, cfg, kv, h, size, np.full(rows, 16, np.int32), np.full((rows, 8), -1, np.int32),
+        np.full(rows, row_k, np.int32), state, np.asarray(costs, np.float32), np.arange(rows, dtype=np.uint32),
+        smp.RowSampling.of([Sampling()] * rows), k=7, max_ngram=3, min_ngram=1, n_rounds=1, sampled=False)
+    return np.asarray(drafts)[0], np.asarray(counts)[0]
+
+
+def test_chooser_adapts_to_acceptance_and_cost(cyclic_target, rng):
+    """Properties of the choice, at 4 rows whose histories all hold a 3-token match of 7+
+    tokens: long rejection -> no drafts; full acceptance and cheap verify -> the widest
+    step; the same acceptance with steeply rising step costs -> fewer drafts."""
+    model = cyclic_target
+    rows = [repeating_prompt(rng, model.config.vocab_size, period=9) for _ in range(4)]
+    one_row, eight_rows = prior_width_costs(1)[:4], prior_width_costs(8)[:4]  # widths 1, 2, 4, 8
+    assert np.all(eight_rows[1:] > one_row[1:])  # wider steps cost relatively more in a fuller batch
+    rejected, _ = _chooser_call(model, rows, (0.0, 400.0), one_row)
+    assert rejected.tolist() == [0, 0, 0, 0]
+    trusted, counts = _chooser_call(model, rows, (400.0, 400.0), np.ones(4))
+    assert trusted.tolist() == [7, 7, 7, 7] and counts.min() >= 1
+    alone, _ = _chooser_call(model, rows, (360.0, 400.0), one_row)
+    full, _ = _chooser_call(model, rows, (360.0, 400.0), eight_rows)
+    assert 0 < full.max() < alone.max()
+
+
+def test_choice_ignores_the_draft_values(cyclic_target, rng):
+    """History only: two rows whose lookups find matches of the same length but different
+    continuations (different draft values) get the same number of drafts."""
+    model = cyclic_target
+    v = model.config.vocab_size
+    base = repeating_prompt(rng, v, period=9)
+    other = base.copy()
+    other[22:27] = (other[22:27] + 1 + rng.integers(0, v - 1, 5)) % v  # what the latest match continues with
+    for value in ((0.0, 400.0), (400.0, 400.0), (300.0, 400.0)):
+        a, _ = _chooser_call(model, [base, base], value, np.array([1.0, 1.3, 1.9, 3.0]))
+        b, _ = _chooser_call(model, [base, other], value, np.array([1.0, 1.3, 1.9, 3.0]))
+        assert a.tolist() == b.tolist()
+
+
+def test_bad_requests_name_the_parameter(cyclic_target):
+    model = cyclic_target
+    engine = Engine(model, 4, max_batch=2, max_len=128)
+    with pytest.raises(GenerationError, match=r"k must be an integer in \[0, 4\]"):
+        engine.submit([1, 2, 3], max_new_tokens=5, k=5)
+    with pytest.raises(GenerationError, match="sampling must be a specjax.Sampling"):
+        engine.submit([1, 2, 3], max_new_tokens=5, sampling=0.7)
+    with pytest.raises(GenerationError, match="max_new_tokens must be one value or a list with one per prompt"):
+        specjax.generate(model, [[1, 2], [3]], max_new_tokens=[4])
+    with pytest.raises(GenerationError, match="prompt token ids must be in"):
+        specjax.generate(model, [[1, 2], [3, 1000]], max_new_tokens=4)
+    with pytest.raises(GenerationError, match="batched engine"):
+        specjax.generate(model, [[1, 2], [3]], max_new_tokens=4, speculative=specjax.DraftProposer(model))
+    with pytest.raises(GenerationError, match="max_len"):
+        Engine(model, None, max_len=10 ** 6)
+    with pytest.raises(specjax.proposers.ProposerError, match="k must be"):
+        Speculation(k=16)
