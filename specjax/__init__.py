@@ -10,7 +10,7 @@ from typing import Any
 
 _EXPORTS = {
     "load": "model", "save": "model", "Model": "model",
-    "generate": "loop", "GenerateResult": "loop", "Stats": "loop",
+    "generate": "loop", "GenerateResult": "results", "Stats": "results",
     "Sampling": "sampling",
     "NgramProposer": "proposers", "DraftProposer": "proposers", "DFlashProposer": "proposers",
     "LookupProposer": "lookup",

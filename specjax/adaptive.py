@@ -274,6 +274,12 @@ class Adaptive:
     def __init__(self, *proposers: Any, prior_accept: float = 0.6, accept_decay: float = 0.95):
         if not proposers:
             raise ProposerError("Adaptive needs at least one proposer")
+        from .lookup import LookupProposer
+
+        if any(isinstance(p, LookupProposer) for p in proposers):
+            raise ProposerError("LookupProposer runs on the batched engine, with k chosen there, and cannot be "
+                                "wrapped by Adaptive; give Adaptive an NgramProposer, or pass LookupProposer to "
+                                "generate()")
         for p in proposers:
             if isinstance(p, Adaptive) or not (hasattr(p, "start") and hasattr(p, "k")):
                 raise ProposerError(f"Adaptive chooses among proposers (NgramProposer, DraftProposer, "
@@ -281,9 +287,6 @@ class Adaptive:
         for name, value in (("prior_accept", prior_accept), ("accept_decay", accept_decay)):
             if not 0 < value <= 1:
                 raise ProposerError(f"{name} must be in (0, 1], got {value!r}")
-        if any(getattr(p, "fused", False) for p in proposers):
-            raise ProposerError("LookupProposer runs its own steps on the device and cannot be wrapped by "
-                                "Adaptive; give Adaptive an NgramProposer, or pass LookupProposer to generate()")
         object.__setattr__(self, "proposers", tuple(proposers))
         object.__setattr__(self, "prior_accept", prior_accept)
         object.__setattr__(self, "accept_decay", accept_decay)

@@ -22,7 +22,8 @@ from train.prompts import WORKLOADS, workload
 
 from .adaptive import Adaptive
 from .checkpoint import weight_bytes
-from .loop import capacity_for, generate
+from .loop import generate
+from .results import capacity_for
 from .lookup import LookupProposer
 from .model import Model, load
 from .proposers import DraftProposer, NgramProposer

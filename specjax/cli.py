@@ -50,6 +50,9 @@ def _add_generate(sub) -> None:
     src.add_argument("--prompt-ids", type=_ids_arg, metavar="I,J,...",
                      help="the prompt as comma-separated token ids (for folders without a tokenizer)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--batch", action="store_true",
+                   help="--prompt-file holds many prompts (one per line, or JSONL lines {\"prompt\": ...} or "
+                        "{\"messages\": [...]}), generated together by the batched engine")
     p.add_argument("--max-new-tokens", type=_positive, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -91,6 +94,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="JSON, markdown and PNG output folder")
+    p.add_argument("--concurrency", type=_levels, metavar="C,C,...",
+                   help="instead: the batched engine with C concurrent requests (e.g. 1,2,4,8,16): aggregate and "
+                        "per-request tokens/s, time to first token, inter-token latency")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -101,9 +107,41 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got {text!r}")
+    return levels
+
+
+def _bench_concurrency(args) -> int:
+    from .bench_batch import ConcurrencyConfig, run
+
+    kw: dict = dict(model=args.model or default_model(), levels=args.concurrency, hf=not args.no_hf, out=args.out)
+    for ours, theirs in (("reps", "reps"), ("new_tokens", "new_tokens"), ("prompt_tokens", "prompt_tokens")):
+        if getattr(args, theirs) is not None:
+            kw[ours] = getattr(args, theirs)
+    if args.workloads:
+        kw["workloads"] = tuple(args.workloads)
+    if args.quick:
+        kw.setdefault("reps", 1)
+        kw.setdefault("new_tokens", 48)
+        kw.setdefault("prompt_tokens", 256)
+        kw["fixed_ks"], kw["samplings"] = (4,), ("greedy",)
+    cfg = ConcurrencyConfig(**kw)
+    run(cfg, log=lambda line: print(line, flush=True))
+    print(f"wrote {cfg.out}/concurrency.json, concurrency.md")
+    return 0
+
+
 def _bench(args) -> int:
     from .bench import BenchConfig, run
 
+    if args.concurrency:
+        return _bench_concurrency(args)
     model = args.model or default_model()
     kw = dict(model=model, draft=args.draft or _sibling(model, "draft"), dflash=args.dflash or _sibling(model, "dflash"),
               hf=not args.no_hf, out=args.out)
@@ -215,8 +253,88 @@ class _Streamer:
         self.shown = len(text)
 
 
+def _batch_prompts(args, tokenizer, folder: Path) -> list[list[int]]:
+    """The prompts of a --batch file: JSONL if its first non-empty line is a JSON object."""
+    import json
+
+    if args.prompt_file is None:
+        raise UsageError("--batch reads its prompts from --prompt-file")
+    if not args.prompt_file.is_file():
+        raise UsageError(f"--prompt-file {args.prompt_file}: no such file")
+    if tokenizer is None:
+        raise UsageError(f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json) for --batch")
+    lines = [(i, line) for i, line in enumerate(args.prompt_file.read_text().splitlines(), 1) if line.strip()]
+    if not lines:
+        raise UsageError(f"--prompt-file {args.prompt_file}: no prompts")
+    jsonl = lines[0][1].lstrip().startswith("{")
+    prompts = []
+    for number, line in lines:
+        where = f"{args.prompt_file}:{number}"
+        messages = None
+        if jsonl:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{where}: not a JSON object ({e.msg})") from None
+            if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+                text = record["prompt"]
+            elif isinstance(record, dict) and isinstance(record.get("messages"), list):
+                messages = record["messages"]
+            else:
+                raise UsageError(f'{where}: expected {{"prompt": "..."}} or {{"messages": [...]}}')
+        else:
+            text = line
+        if messages is not None or args.chat:
+            if not getattr(tokenizer, "chat_template", None):
+                raise UsageError(f"{where}: this model's tokenizer has no chat template")
+            messages = messages or [{"role": "user", "content": text}]
+            ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))
+        else:
+            ids = tokenizer(text)["input_ids"]
+        if not ids:
+            raise UsageError(f"{where}: the prompt is empty (it tokenizes to no tokens)")
+        prompts.append(ids)
+    return prompts
+
+
+def _generate_batch(args, model, sampling) -> int:
+    import numpy as np
+
+    from .engine import Speculation, generate_batch
+
+    folder = args.model or default_model()
+    if args.draft is not None or args.dflash is not None:
+        raise UsageError("--batch drafts by prompt lookup (--speculate K) or not at all (--no-speculate)")
+    prompts = _batch_prompts(args, model.tokenizer, folder)
+    spec = None if args.no_speculate else Speculation(k=15 if args.speculate in (None, "auto") else args.speculate)
+    kw = dict(sampling=sampling, seed=args.seed, stop_ids=model.eos_ids, speculative=spec)
+    t0 = time.perf_counter()
+    if not args.no_warmup:
+        generate_batch(model, prompts, max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens), **kw)
+    warm_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    results = generate_batch(model, prompts, max_new_tokens=args.max_new_tokens, **kw)
+    wall = time.perf_counter() - t1
+    for i, res in enumerate(results):
+        print(f"=== {i} ===")
+        print(model.tokenizer.decode(res.tokens))
+    total = sum(r.stats.new_tokens for r in results)
+    per = [r.stats.tokens_per_s for r in results]
+    steps = sum(r.stats.steps for r in results)
+    line = (f"[{len(results)} requests, {total} tokens in {wall:.2f} s: {total / wall:.1f} tok/s aggregate, "
+            f"per request {np.median(per):.1f} tok/s median ({min(per):.1f}-{max(per):.1f}), "
+            f"time to first token {np.median([r.stats.prefill_s for r in results]) * 1e3:.0f} ms median, "
+            f"warm-up {warm_s:.1f} s")
+    if spec is not None and steps:
+        line += f", {(total - len(results)) / steps:.2f} tokens/step"
+    print(line + "]", file=sys.stderr)
+    return 0
+
+
 def _generate(args) -> int:
-    from .loop import capacity_for, generate
+    from .loop import generate
+    from .results import capacity_for
     from .model import load
     from .sampling import Sampling
 
@@ -232,6 +350,8 @@ def _generate(args) -> int:
         mesh = make_mesh(devices[:args.devices])
     model = load(folder, mesh=mesh)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
+    if args.batch:
+        return _generate_batch(args, model, sampling)
     ids = _prompt_ids(args, model.tokenizer, folder)
     proposer = _proposer(args, model)
     stream = _Streamer(model.tokenizer)
@@ -257,7 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from .checkpoint import CheckpointError
     from .config import ConfigError
-    from .loop import GenerationError
+    from .results import GenerationError
+    from .pages import PoolError
     from .proposers import ProposerError
     from .sampling import SamplingError
     from .sharding import ShardingError
@@ -268,8 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "bench":
             return _bench(args)
-    except (CheckpointError, ConfigError, GenerationError, ProposerError, PromptError, SamplingError, ShardingError,
-            UsageError) as e:
+    except (CheckpointError, ConfigError, GenerationError, PoolError, ProposerError, PromptError, SamplingError,
+            ShardingError, UsageError) as e:
         parser.exit(2, f"specjax: error: {e}\n")
     except KeyboardInterrupt:
         return 130

@@ -13,9 +13,9 @@ step the target cached, of which the first `count` rows are committed tokens.
 `history` is a NumPy int32 array of every committed token (prompt and output); its last
 entry is the one the next verify step feeds.
 
-A session with ``fused = True`` runs the speculative steps itself, on the device
-(`specjax.lookup`): the loop calls `session.run(model, kv, history, budget, stop_ids, seed,
-sampling)` instead of propose / verify / observe.
+On their own, NgramProposer and DraftProposer run on the batched engine
+(`specjax.engine`), which drafts on the device; these sessions serve `Adaptive`'s host-side
+choice (with DFlash, which has not joined the engine's round yet).
 
 A session with ``free = True`` is deterministic and costs nothing to ask (prompt lookup):
 `Adaptive` asks it every step and scores its drafts against the tokens committed later,

@@ -127,34 +127,13 @@ def sample(logprobs: jax.Array, key: jax.Array) -> jax.Array:
 
 
 def target_tokens(logits: jax.Array, positions: jax.Array, seed: jax.Array, s: Sampling) -> jax.Array:
-    """The target's token [T] after each of T logit rows; row i decides position positions[i]."""
-    if s.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    keys = jax.vmap(lambda p: position_key(seed, TARGET, p))(positions)
+    """The target's token [T] after each of T logit rows; row i decides position positions[i].
 
-    def vocabulary(_):
-        return jax.vmap(sample)(transform(logits, s), keys)
-
-    x = _tempered(logits, s)
-    if not 0 < s.top_k < x.shape[-1]:
-        return vocabulary(None)
-    # With top-k a row's support is its k candidates unless it ties at the k-th logit
-    # (transformers then keeps every tie). Gumbel-max over the k candidates draws from the
-    # same distribution with k noise values instead of V. The choice is made per row, so
-    # a row's token does not depend on the other rows of a verify step (exactness: a
-    # decode step sees that row alone). Barrier: see transform.
-    vals, idx = jax.lax.top_k(x, s.top_k)
-    vals = jax.lax.optimization_barrier(vals)
-    ties = jnp.sum(x >= vals[..., -1:], axis=-1) > s.top_k  # [T]
-
-    def candidates(_):
-        kept = jax.nn.log_softmax(_top_p_min_p(vals, s), axis=-1)
-        return jax.vmap(lambda lp, i, key: i[sample(lp, key)])(kept, idx, keys)
-
-    def per_row(_):
-        return jnp.where(ties, vocabulary(None), candidates(None))
-
-    return jax.lax.cond(jnp.any(ties), per_row, candidates, None).astype(jnp.int32)
+    The same draw as the batched engine's (`target_tokens_rows` with this setting on every
+    row), so one prompt and a batch of prompts sample the same tokens."""
+    n = logits.shape[0]
+    return target_tokens_rows(logits, positions, jnp.full((n,), seed, jnp.uint32), RowSampling.every(s, n),
+                              not s.greedy)
 
 
 def accept_probability(logp: jax.Array, logq: jax.Array, d: jax.Array) -> jax.Array:
@@ -171,27 +150,18 @@ def residual_logprobs(logp: jax.Array, logq: jax.Array) -> jax.Array:
 
 def accept_sampled(logits: jax.Array, drafts: jax.Array, logq: jax.Array, n_drafts: jax.Array,
                    positions: jax.Array, seed: jax.Array, s: Sampling) -> tuple[jax.Array, jax.Array]:
-    """Speculative sampling over T = k + 1 target rows for k sampled drafts.
+    """Speculative sampling over T = k + 1 target rows for k sampled drafts (one sequence).
 
     Draft i (at positions[i]) is accepted with probability min(1, p_i(d)/q_i(d)); the
     first rejection is replaced by a sample from normalize(max(p_i - q_i, 0)); if all
     n_drafts are accepted the bonus comes from p. The emitted tokens follow p exactly
-    (Leviathan et al. 2023, Chen et al. 2023). Returns (tokens [T], accepted count).
+    (Leviathan et al. 2023, Chen et al. 2023). `accept_rows` with one row. Returns
+    (tokens [T], accepted count).
     """
-    logp = transform(logits, s)  # [T, V]
-    k = drafts.shape[0]
-    ratio = jax.vmap(accept_probability)(logp[:k], logq, drafts)
-    u = jax.vmap(lambda p: jax.random.uniform(position_key(seed, ACCEPT, p)))(positions[:k])
-    ok = (u < ratio) & (jnp.arange(k) < n_drafts)
-    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
-    bonus = target_tokens(logits[accepted][None], positions[accepted][None], seed, s)[0]
-    res_row = jnp.minimum(accepted, k - 1)
-    residual = sample(residual_logprobs(logp[res_row], logq[res_row]),
-                      position_key(seed, RESIDUAL, positions[accepted]))
-    fix = jnp.where(accepted < n_drafts, residual, bonus)
-    padded = jnp.concatenate([drafts, jnp.zeros((1,), drafts.dtype)])
-    tokens = jnp.where(jnp.arange(k + 1) < accepted, padded, fix)
-    return tokens.astype(jnp.int32), accepted
+    rs = RowSampling.every(s, 1)
+    tokens, accepted = accept_rows(logits[None], drafts[None], logq[None], jnp.reshape(n_drafts, (1,)),
+                                   positions[None], jnp.reshape(seed, (1,)).astype(jnp.uint32), rs)
+    return tokens[0], accepted[0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -219,6 +189,12 @@ class RowSampling:
                    np.array([s.top_p for s in settings], np.float32),
                    np.array([s.min_p for s in settings], np.float32))
 
+    @classmethod
+    def every(cls, s: "Sampling", n: int) -> "RowSampling":
+        """One setting on n rows, as device arrays (inside a trace)."""
+        return cls(jnp.full((n,), s.temperature, jnp.float32), jnp.full((n,), s.top_k, jnp.int32),
+                   jnp.full((n,), s.top_p, jnp.float32), jnp.full((n,), s.min_p, jnp.float32))
+
     def repeat(self, n: int) -> "RowSampling":
         """Each row's values n times in a row ([N] -> [N * n]: the T tokens of a verify row)."""
         return jax.tree.map(lambda x: jnp.repeat(x, n), self)
@@ -241,36 +217,31 @@ def _min_p_rows(x: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(probs < min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
 
 
-def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Array:
-    """One token per row of logits [N, V] under per-row settings; greedy rows take the argmax.
+def support_rows(logits: jax.Array, rs: RowSampling) -> jax.Array:
+    """Tempered logits [N, V] of each row's sampling distribution, -inf outside its support;
+    a greedy row is 0 at its argmax (lowest id on ties) and -inf elsewhere.
 
-    A sampled row draws by Gumbel-max over its support, with noise indexed by token id
-    (`gumbel(key, [V])[token]`): the token depends only on the row's logits, key and
-    settings, never on the other rows or on which path below served it. Supports follow
-    transformers' chain (temperature, top-k keeping ties at the k-th value, top-p, min-p):
+    Supports follow transformers' chain (temperature, top-k keeping ties at the k-th value,
+    top-p, min-p), by the cheapest path that gives the row's own answer:
     - no top-k and no top-p: min-p over the whole vocabulary (no sort);
     - top-k of at most CANDIDATES (ties included): top-p and min-p on the CANDIDATES
       largest logits;
     - otherwise (top-p alone, a larger top-k, more ties than CANDIDATES): a sort of V, under
       a conditional that runs only when some row needs it.
+    A row's path depends on its own logits and settings only, never on the other rows.
     """
     n, v = logits.shape
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temp = jnp.where(rs.temperature > 0, rs.temperature, 1.0)
     x = _tempered(logits, Sampling(1.0)) / temp[:, None]
-    noise = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
     top_k = jnp.where((rs.top_k > 0) & (rs.top_k < v), rs.top_k, 0)
-
-    plain = jnp.argmax(_min_p_rows(x, rs.min_p) + noise, axis=-1).astype(jnp.int32)
+    plain = _min_p_rows(x, rs.min_p)
 
     c = min(CANDIDATES, v)
     vals, idx = jax.lax.top_k(x, c)
     vals = jax.lax.optimization_barrier(vals)
     kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, c - 1)[:, None], axis=-1)  # [N, 1]
-    kept = jnp.where(vals >= kth, vals, -jnp.inf)
-    kept = _top_p_min_p_rows(kept, rs.top_p, rs.min_p)
-    pick = jnp.argmax(kept + jnp.take_along_axis(noise, idx, axis=-1), axis=-1)
-    candidates = jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    kept = _top_p_min_p_rows(jnp.where(vals >= kth, vals, -jnp.inf), rs.top_p, rs.min_p)
+    candidates = jnp.full_like(x, -jnp.inf).at[jnp.arange(n)[:, None], idx].set(kept)
     fits = (top_k > 0) & (top_k <= c) & (jnp.sum(x >= kth, axis=-1) <= c)
     full = (rs.temperature > 0) & ((top_k > 0) | (rs.top_p < 1.0)) & ~fits
 
@@ -278,11 +249,29 @@ def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Arra
         desc = -jnp.sort(-x, axis=-1)
         kth_v = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=-1)
         y = jnp.where((top_k[:, None] > 0) & (x < kth_v), -jnp.inf, x)
-        return jnp.argmax(_top_p_min_p_rows(y, rs.top_p, rs.min_p) + noise, axis=-1).astype(jnp.int32)
+        return _top_p_min_p_rows(y, rs.top_p, rs.min_p)
 
-    sorted_tokens = jax.lax.cond(jnp.any(full), whole_vocabulary, lambda _: plain, None)
-    sampled = jnp.where(full, sorted_tokens, jnp.where(fits, candidates, plain))
-    return jnp.where(rs.temperature > 0, sampled, greedy)
+    sorted_rows = jax.lax.cond(jnp.any(full), whole_vocabulary, lambda _: plain, None)
+    y = jnp.where(full[:, None], sorted_rows, jnp.where(fits[:, None], candidates, plain))
+    greedy = jnp.where(jnp.arange(v) == jnp.argmax(logits, axis=-1)[:, None], 0.0, -jnp.inf)
+    return jnp.where((rs.temperature > 0)[:, None], y, greedy)
+
+
+def transform_rows(logits: jax.Array, rs: RowSampling) -> jax.Array:
+    """Log-probabilities [N, V] of each row's sampling distribution (-inf outside it)."""
+    return jax.nn.log_softmax(support_rows(logits, rs), axis=-1)
+
+
+def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Array:
+    """One token per row of logits [N, V] under per-row settings; greedy rows take the argmax.
+
+    A sampled row draws by Gumbel-max over its support (`support_rows`) with noise indexed
+    by token id (`gumbel(key, [V])[token]`), so its token depends only on its own logits,
+    key and settings."""
+    v = logits.shape[-1]
+    noise = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
+    sampled = jnp.argmax(support_rows(logits, rs) + noise, axis=-1).astype(jnp.int32)
+    return jnp.where(rs.temperature > 0, sampled, jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
 
 def target_tokens_rows(logits: jax.Array, positions: jax.Array, seeds: jax.Array, rs: RowSampling,
@@ -294,3 +283,33 @@ def target_tokens_rows(logits: jax.Array, positions: jax.Array, seeds: jax.Array
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     keys = jax.vmap(lambda s, p: position_key(s, TARGET, p))(seeds, positions)
     return sample_rows(logits, keys, rs)
+
+
+def accept_rows(logits: jax.Array, drafts: jax.Array, logq: jax.Array, n: jax.Array, positions: jax.Array,
+                seeds: jax.Array, rs: RowSampling) -> tuple[jax.Array, jax.Array]:
+    """`accept_sampled` for R rows with their own settings: logits [R, W, V], sampled
+    drafts [R, W-1] (first n [R] real) with their draft log-probs logq [R, W-1, V],
+    positions [R, W] (absolute position each target row decides), seeds [R].
+
+    Draft i is accepted with probability min(1, p_i(d)/q_i(d)); the first rejection is
+    replaced by a draw from normalize(max(p_i - q_i, 0)); after n acceptances the bonus is
+    the target's own position-keyed token. Returns (tokens [R, W], accepted [R])."""
+    r, w, v = logits.shape
+    flat = rs.repeat(w)
+    logp = transform_rows(logits.reshape(r * w, v), flat).reshape(r, w, v)
+    own = target_tokens_rows(logits.reshape(r * w, v), positions.reshape(-1), jnp.repeat(seeds, w), flat,
+                             True).reshape(r, w)
+
+    def one(logp, logq, drafts, n, positions, seed, own):
+        k = w - 1
+        ratio = jax.vmap(accept_probability)(logp[:k], logq, drafts)
+        u = jax.vmap(lambda p: jax.random.uniform(position_key(seed, ACCEPT, p)))(positions[:k])
+        ok = (u < ratio) & (jnp.arange(k) < n)
+        accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
+        at = jnp.minimum(accepted, k - 1)
+        residual = sample(residual_logprobs(logp[at], logq[at]), position_key(seed, RESIDUAL, positions[accepted]))
+        fix = jnp.where(accepted < n, residual, own[accepted])
+        padded = jnp.concatenate([drafts, jnp.zeros((1,), drafts.dtype)])
+        return jnp.where(jnp.arange(w) < accepted, padded, fix).astype(jnp.int32), accepted
+
+    return jax.vmap(one)(logp, logq, drafts.astype(jnp.int32), n, positions, seeds, own)

@@ -43,6 +43,23 @@ def draft_length(limit: int, k: int) -> int:
     return min([b - 1 for b in BUCKETS[1:] if b - 1 >= limit] + [k])
 
 
+def switch(index: jax.Array, branches: list, carry, *args):
+    """lax.switch(index, branches, carry, *args) for branches returning (outputs, carry),
+    as a chain of while loops that run zero or one time.
+
+    Why: XLA:CPU copies a cache that a conditional's branch updates (two pool copies per
+    step, ~1 ms on tiny-code), but updates a while loop's carried buffers in place.
+    """
+    shapes = jax.eval_shape(branches[0], carry, *args)[0]
+    init = (jnp.int32(index), jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), carry)
+    for j, branch in enumerate(branches):
+        def body(c, branch=branch):
+            outputs, carry = branch(c[2], *args)
+            return jnp.int32(-1), outputs, carry
+        init = jax.lax.while_loop(lambda c, j=j: c[0] == j, body, init)
+    return init[1], init[2]
+
+
 def _fit(x: jax.Array, n: int) -> jax.Array:
     """First n rows of x, zero-padded to n (static shapes)."""
     x = x[:n]

@@ -98,3 +98,31 @@ def test_default_and_flag_proposers(folder):
     assert isinstance(both, Adaptive) and [type(p) for p in both.proposers] == [NgramProposer, DraftProposer]
     draft = cli._proposer(parse("--draft", str(folder.parent / "m-draft"), "--draft-k", "3"), target)
     assert isinstance(draft, DraftProposer) and draft.k == 3
+
+
+def test_batch_prints_every_result_as_generated_alone(folder, tmp_path, capsys):
+    import json
+
+    import specjax
+
+    model = specjax.load(folder)
+    texts = ["def f(x):\n    return x\n" * 2, "class A:\n    pass\n", "import os"]
+    want = [model.tokenizer.decode(specjax.generate(model, model.tokenizer(t)["input_ids"], max_new_tokens=10).tokens)
+            for t in texts]
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("\n".join(t.replace("\n", " ") for t in texts[1:]) + "\n")
+    records = tmp_path / "prompts.jsonl"
+    records.write_text("\n".join(json.dumps({"prompt": t}) for t in texts) + "\n")
+    code, out, err = _run(capsys, "generate", "--model", str(folder), "--batch", "--prompt-file", str(records),
+                          "--max-new-tokens", "10", "--speculate", "3")
+    assert code == 0, err
+    assert out == "".join(f"=== {i} ===\n{w}\n" for i, w in enumerate(want))
+    assert "3 requests" in err and "tok/s aggregate" in err and "per request" in err and "tokens/step" in err
+    code, out, err = _run(capsys, "generate", "--model", str(folder), "--batch", "--prompt-file", str(lines),
+                          "--max-new-tokens", "4", "--no-speculate")
+    assert code == 0 and out.count("=== ") == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n{"text": "y"}\n')
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(folder), "--batch", "--prompt-file", str(bad)])
+    assert e.value.code == 2 and f"{bad}:2" in capsys.readouterr().err

@@ -8,9 +8,11 @@ from scipy import stats as scipy_stats
 
 import specjax
 from specjax import Sampling, sampling as smp
-from specjax.engine import Engine, Speculation, prior_width_costs, rounds
+from specjax.costs import prior_width_costs
+from specjax.engine import Engine, Speculation
+from specjax.rounds import rounds
 from specjax.kv import KVCache
-from specjax.loop import GenerationError
+from specjax.results import GenerationError
 from specjax.pages import PoolError
 from conftest import repeating_prompt
 
@@ -184,10 +186,11 @@ def _chooser_call(model, history_rows, state_value, costs, row_k=7):
     kv = KVCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32),
                  1 + np.arange(rows * pages, dtype=np.int32).reshape(rows, pages), size - 1, page_size=16)
     accepted, judged = state_value
-    state = {"accepted": np.full((rows, 2, 4), accepted, np.float32), "judged": np.full((rows, 2, 4), judged, np.float32)}
-    _, counts, drafts, _, _, _ = rounds(
+    state = {"accepted": np.full((rows, 2, 5), accepted, np.float32), "judged": np.full((rows, 2, 5), judged, np.float32)}
+    _, counts, drafts, _, _, _, _, _ = rounds(
         model.params, cfg, kv, h, size, np.full(rows, 16, np.int32), np.full((rows, 8), -1, np.int32),
-        np.full(rows, row_k, np.int32), state, np.asarray(costs, np.float32), np.arange(rows, dtype=np.uint32),
+        np.full(rows, row_k, np.int32), np.ones((rows, 2), bool), state, np.asarray(costs, np.float32)[None],
+        np.arange(rows, dtype=np.uint32),
         smp.RowSampling.of([Sampling()] * rows), k=7, max_ngram=3, min_ngram=1, n_rounds=1, sampled=False)
     return np.asarray(drafts)[0], np.asarray(counts)[0]
 
@@ -234,9 +237,86 @@ def test_bad_requests_name_the_parameter(cyclic_target):
         specjax.generate(model, [[1, 2], [3]], max_new_tokens=[4])
     with pytest.raises(GenerationError, match="prompt token ids must be in"):
         specjax.generate(model, [[1, 2], [3, 1000]], max_new_tokens=4)
-    with pytest.raises(GenerationError, match="batched engine"):
-        specjax.generate(model, [[1, 2], [3]], max_new_tokens=4, speculative=specjax.DraftProposer(model))
+    with pytest.raises(GenerationError, match="engine drafts by prompt lookup"):
+        specjax.generate(model, [[1, 2], [3]], max_new_tokens=4,
+                         speculative=specjax.Adaptive(specjax.DraftProposer(model), specjax.DraftProposer(model)))
     with pytest.raises(GenerationError, match="max_len"):
         Engine(model, None, max_len=10 ** 6)
     with pytest.raises(specjax.proposers.ProposerError, match="k must be"):
         Speculation(k=16)
+
+
+@pytest.fixture(scope="module")
+def with_draft(tmp_path_factory):
+    """A target that falls into cycles and a 1-layer draft model with its vocabulary."""
+    from conftest import hf_tiny
+
+    root = tmp_path_factory.mktemp("engine-draft")
+    hf_tiny(root / "t", seed=3, init=0.1)
+    hf_tiny(root / "d", seed=5, init=0.1, num_hidden_layers=1)
+    return specjax.load(root / "t"), specjax.load(root / "d")
+
+
+def test_draft_model_rows_equal_alone(with_draft, rng):
+    """Draft-model drafts, with and without lookup beside them: with the target itself as
+    the draft (always right) drafting in full, greedy rows equal plain generation alone and
+    sampled rows with the model's greedy drafts their plain sampled run alone; with a weak
+    draft under the chooser, greedy rows again equal plain generation."""
+    target, weak = with_draft
+    prompts = _prompts(rng, target.config.vocab_size)[:4]
+    news = [30, 12, 41, 25]
+    greedy = [specjax.generate(target, p, max_new_tokens=n, stop_ids=()).tokens for p, n in zip(prompts, news)]
+    solo = Engine(target, None, max_batch=1, max_len=256)
+    sampled = [solo.submit(p, max_new_tokens=n, sampling=s, seed=7, stop_ids=()).result().tokens
+               for p, n, s in zip(prompts, news, SETTINGS[1:])]
+    engine = Engine(target, Speculation(k=7, adaptive=False), draft=target, max_batch=4, max_len=256)
+    reqs = [engine.submit(p, max_new_tokens=n, stop_ids=(), lookup=i % 2 == 0) for i, (p, n) in enumerate(zip(prompts, news))]
+    assert [r.result().tokens for r in reqs] == greedy
+    assert min(r.stats.tokens_per_step for r in reqs) > 5  # the chain ran and was accepted
+    reqs = [engine.submit(p, max_new_tokens=n, sampling=s, seed=7, stop_ids=())
+            for p, n, s in zip(prompts, news, SETTINGS[1:])]
+    assert [r.result().tokens for r in reqs] == sampled
+    engine = Engine(target, 7, draft=weak, max_batch=4, max_len=256)
+    reqs = [engine.submit(p, max_new_tokens=n, stop_ids=(), lookup=i % 2 == 1) for i, (p, n) in enumerate(zip(prompts, news))]
+    assert [r.result().tokens for r in reqs] == greedy
+
+
+def test_sampled_drafts_at_batch_follow_the_target_distribution(tmp_path_factory):
+    """Chi-square of tokens 2-3 of one request (2 sampled drafts per step) against the
+    exact target law, from rows of batches whose other rows (prompts, settings, proposers)
+    change from call to call."""
+    from conftest import hf_tiny
+    from test_speculative import _exact_pair_distribution
+
+    folders = [tmp_path_factory.mktemp(n) for n in ("bt", "bd")]
+    hf_tiny(folders[0], seed=11, vocab_size=24, init=0.3)
+    hf_tiny(folders[1], seed=12, vocab_size=24, num_hidden_layers=1, init=0.3)
+    target, draft = specjax.load(folders[0]), specjax.load(folders[1])
+    s = Sampling(temperature=1.0, top_k=12)
+    ids = np.array([3, 7, 1, 9])
+    exact = _exact_pair_distribution(target, ids, s)
+    engine = Engine(target, Speculation(k=2, adaptive=False), draft=draft, sample_drafts=True, max_batch=16,
+                    max_len=64)
+    rng = np.random.default_rng(0)
+    counts = np.zeros_like(exact)
+    accepted = 0
+    calls = 200
+    for call in range(calls):
+        ours = [engine.submit(ids, max_new_tokens=4, sampling=s, seed=call * 16 + j, stop_ids=(), lookup=False)
+                for j in range(12)]
+        for j in range(4):  # neighbours that differ every call
+            engine.submit(rng.integers(0, 24, int(rng.integers(2, 9))), max_new_tokens=int(rng.integers(1, 7)),
+                          sampling=SETTINGS[int(rng.integers(0, len(SETTINGS)))], seed=int(rng.integers(1 << 30)),
+                          stop_ids=(), lookup=bool(j % 2))
+        engine.run()
+        for r in ours:
+            counts[r.tokens[1], r.tokens[2]] += 1
+            accepted += r.stats.accepted
+    n = calls * 12
+    assert 0 < accepted < 2 * n  # both the accept and the residual paths ran
+    expected = exact.ravel() * n
+    big = expected >= 5
+    obs = np.append(counts.ravel()[big], counts.ravel()[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    assert counts.ravel()[exact.ravel() == 0].sum() == 0
+    assert scipy_stats.chisquare(obs, exp * (obs.sum() / exp.sum())).pvalue > 1e-3

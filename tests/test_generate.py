@@ -9,7 +9,7 @@ import torch
 import specjax
 from specjax.checkpoint import CheckpointError
 from specjax.config import ConfigError
-from specjax.loop import GenerationError
+from specjax.results import GenerationError
 from conftest import hf_tiny
 
 

@@ -57,7 +57,15 @@ CHILD = textwrap.dedent("""
         sampled = specjax.generate(sm, ids, max_new_tokens=20, sampling=sampling, seed=3).tokens
         sampled_spec = specjax.generate(sm, ids, max_new_tokens=20, sampling=sampling, seed=3,
                                         speculative=NgramProposer(k=4)).tokens
-        out["meshes"][n] = {"placed": placed, "streamed_differ": differ,
+        prompts = [ids, ids[:10], ids[5:]]
+        batch = specjax.generate(sm, prompts, max_new_tokens=[20, 12, 16], sampling=[specjax.Sampling(), sampling,
+                                 specjax.Sampling()], seed=[0, 3, 0], speculative=specjax.LookupProposer(k=4))
+        alone = [specjax.generate(sm, p, max_new_tokens=m, sampling=s, seed=sd).tokens
+                 for p, m, s, sd in zip(prompts, [20, 12, 16], [specjax.Sampling(), sampling, specjax.Sampling()],
+                                        [0, 3, 0])]
+        assert alone[0] == plain
+        out["meshes"][n] = {"batch": [list(map(int, r.tokens)) for r in batch],
+                            "alone": [list(map(int, a)) for a in alone], "placed": placed, "streamed_differ": differ,
                             "streamed_leaves": len(jax.tree.leaves(streamed)), "max_logit_diff": float(np.abs(got - want).max()),
                             "logit_scale": float(np.abs(want).max()), "plain": list(map(int, plain)),
                             "spec": {k: list(map(int, v)) for k, v in runs.items()},
@@ -124,6 +132,15 @@ def test_speculation_is_exact_on_a_sharded_target(sharded):
         for name, tokens in mesh["spec"].items():
             assert tokens == mesh["plain"], (seed, name)
         assert mesh["sampled_spec"] == mesh["sampled"], seed
+
+
+def test_engine_rows_equal_alone_on_a_sharded_target(sharded):
+    """The batched engine on a tensor-parallel target: each row (greedy and sampled, with
+    lookup drafts) equals its prompt generated alone on the same placement."""
+    seed, out = sharded
+    for mesh in out["meshes"].values():
+        assert mesh["batch"] == mesh["alone"], seed
+        assert [len(t) for t in mesh["batch"]] == [20, 12, 16], seed
 
 
 def test_uneven_split_is_refused_by_name(sharded):

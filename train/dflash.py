@@ -45,7 +45,7 @@ from specjax import checkpoint, dflash, qwen3
 from specjax.checkpoint import Params
 from specjax.config import Qwen3Config
 from specjax.dflash import DFlashConfig
-from specjax.loop import Stats
+from specjax.results import Stats
 from train import lm
 from train.data import load_shard
 from train.dflash_data import DataConfig, Sequences, generate_data

@@ -1,0 +1,98 @@
+"""The engine's cost model: what a step of R rows costs at each verify width, before any
+timing (priors) and as fitted online to the device calls' wall times (`StepCosts`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from . import steps
+
+# Cost of one step over N tokens (rows x width) relative to one token, before any timing:
+# CPU, tiny-code with the CPU kernels inside a device loop (2 cores, 2026-11-30), and on
+# accelerators a step that stays bandwidth-bound; linear past the last point.
+CPU_TOKENS_COST = ((1, 1.0), (2, 1.25), (4, 1.7), (8, 2.5), (16, 4.3))
+ACCELERATOR_TOKENS_COST = ((1, 1.0), (2, 1.02), (4, 1.04), (8, 1.08), (16, 1.15))
+
+
+def tokens_cost(n: int) -> float:
+    """Prior cost of a step over n tokens, relative to a one-token step."""
+    table = CPU_TOKENS_COST if jax.default_backend() == "cpu" else ACCELERATOR_TOKENS_COST
+    xs, ys = zip(*table)
+    if n <= xs[-1]:
+        return float(np.interp(n, xs, ys))
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return ys[-1] + slope * (n - xs[-1])
+
+
+def prior_width_costs(rows: int) -> np.ndarray:
+    """t(rows x W) / t(rows x 1) for each verify width W in steps.BUCKETS."""
+    return np.array([tokens_cost(rows * w) / tokens_cost(rows) for w in steps.BUCKETS])
+
+
+def prior_costs(rows: int, draft_ratio: float) -> np.ndarray:
+    """[2, widths] prior step costs without and with the draft model's chain of W - 2
+    steps, each `draft_ratio` (its weight bytes over the target's) of a target step."""
+    plain = prior_width_costs(rows)
+    chain = np.array([max(w - 2, 0) * draft_ratio for w in steps.BUCKETS])
+    return np.stack([plain, plain + chain])
+
+
+@dataclasses.dataclass
+class StepCosts:
+    """Seconds per step of each verify width, fitted to whole device calls (`rounds.rounds`),
+
+        seconds(call) = sum_w steps_w * c_w   (a call's fixed overhead spreads over its steps),
+
+    by least squares over decayed calls plus `strength` pseudo-steps per width saying
+    c_w = prior_w * scale, where scale is the decayed ratio of seconds to the prior's
+    prediction over all calls (one width's noise barely moves it): widths never run keep
+    the prior's ratios among themselves, and one run often follows data. A call's time is
+    clipped to `outlier` times the fit's prediction either way: one call slowed by the
+    machine (a collection, another process) would otherwise set the cost of the widths it
+    happened to run (seen on CPU: width 8 fitted at 6.5x T = 1 after one such call). The
+    first call is not timed: it compiled.
+    """
+
+    prior: np.ndarray            # [W] t(T)/t(1)
+    strength: float = 16.0       # pseudo-steps per width: about one call's worth
+    groups: int = 1              # kinds of step (e.g. with and without a draft chain), each W / groups widths
+    decay: float = 0.9
+    outlier: float = 1.25
+    gram: np.ndarray = dataclasses.field(init=False)
+    moment: np.ndarray = dataclasses.field(init=False)
+    warm: bool = False
+    timed: np.ndarray = dataclasses.field(init=False)  # decayed seconds, and the prior's steps
+
+    def __post_init__(self) -> None:
+        n = len(self.prior)
+        self.gram, self.moment, self.timed = np.zeros((n, n)), np.zeros(n), np.zeros(2)
+
+    def observe(self, counts: np.ndarray, seconds: float) -> None:
+        """One call: steps taken per width [W] and its wall time."""
+        if not self.warm:
+            self.warm = True
+            return
+        if self.timed[0] > 0:
+            predicted = float(counts @ self._per_step())
+            seconds = min(max(seconds, predicted / self.outlier), predicted * self.outlier)
+        self.timed = self.decay * self.timed + [seconds, float(counts @ self.prior)]
+        self.gram = self.decay * self.gram + np.outer(counts, counts)
+        self.moment = self.decay * self.moment + counts * seconds
+
+    def _per_step(self) -> np.ndarray:
+        """Fitted seconds per step of each width (after a timed call)."""
+        scale = self.timed[0] / max(self.timed[1], 1e-9)
+        gram = self.gram + self.strength * np.eye(len(self.prior))
+        return np.maximum(np.linalg.solve(gram, self.moment + self.strength * self.prior * scale), 1e-9)
+
+    def ratios(self) -> np.ndarray:
+        """Fitted t(T)/t(1) per width, at least 1 and not falling with T within each group
+        (the prior before any timing)."""
+        if self.timed[0] == 0:
+            return self.prior
+        per_step = self._per_step()
+        grouped = np.maximum(per_step / per_step[0], 1.0).reshape(self.groups, -1)
+        return np.maximum.accumulate(grouped, axis=1).reshape(-1)

@@ -1,0 +1,144 @@
+"""What generation returns (tokens, statistics) and the checks of its arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from . import steps
+from .model import Model
+
+PREFILL_CHUNK = 128
+MIN_CAPACITY = 256
+CAPACITY_STEP = 256
+
+
+class GenerationError(ValueError):
+    """Bad generate() input: empty or out-of-vocabulary prompt, length beyond capacity."""
+
+
+@dataclasses.dataclass
+class Stats:
+    """What a generation did; speculative fields stay zero for plain decoding."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0                 # verify (or decode) steps after prefill
+    verify_tokens: int = 0         # tokens scored by verify steps (last + real drafts)
+    drafted: int = 0               # real drafts proposed
+    accepted: int = 0              # drafts accepted
+    accept_hist: list[int] = dataclasses.field(default_factory=list)  # [a] steps that accepted a drafts
+    reached: list[int] = dataclasses.field(default_factory=list)      # [i] steps whose draft i was judged
+    accepted_at: list[int] = dataclasses.field(default_factory=list)  # [i] steps that accepted draft i
+    ks: list[int] = dataclasses.field(default_factory=list)           # drafts judged per step
+    accepts: list[int] = dataclasses.field(default_factory=list)      # drafts accepted per step
+    choices: list = dataclasses.field(default_factory=list)           # Adaptive: (proposer, k) per step
+    prefill_s: float = 0.0
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+    host_s: float = 0.0
+
+    @property
+    def decode_s(self) -> float:
+        return self.propose_s + self.verify_s + self.host_s
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Committed tokens per verify step (1.0 for plain decoding)."""
+        return (self.new_tokens - 1) / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput: tokens after the first over the time after prefill."""
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft i accepted | draft i was judged), i = 1 .. k."""
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
+
+    @property
+    def verify_tokens_per_token(self) -> float:
+        return self.verify_tokens / max(self.new_tokens - 1, 1)
+
+    def record(self, n_drafts: int, accepted: int) -> None:
+        grow = max(n_drafts + 1 - len(self.accept_hist), 0)
+        self.accept_hist += [0] * grow
+        self.reached += [0] * max(n_drafts - len(self.reached), 0)
+        self.accepted_at += [0] * max(n_drafts - len(self.accepted_at), 0)
+        self.accept_hist[accepted] += 1
+        for i in range(min(accepted + 1, n_drafts)):
+            self.reached[i] += 1
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+        self.steps += 1
+        self.verify_tokens += n_drafts + 1
+        self.drafted += n_drafts
+        self.accepted += accepted
+        self.ks.append(n_drafts)
+        self.accepts.append(accepted)
+
+    def summary(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for per_step in ("ks", "accepts", "choices"):
+            d.pop(per_step)
+        d.update(decode_s=self.decode_s, tokens_per_step=self.tokens_per_step, tokens_per_s=self.tokens_per_s,
+                 acceptance_by_position=self.acceptance_by_position,
+                 verify_tokens_per_token=self.verify_tokens_per_token)
+        return d
+
+
+@dataclasses.dataclass
+class GenerateResult:
+    tokens: list[int]
+    stats: Stats
+    stopped: bool = False  # a stop id ended generation (it is the last token)
+
+
+def capacity_for(total: int) -> int:
+    """Static cache size for `total` tokens plus verify and prefill-padding slack.
+
+    Rounded up to a multiple of CAPACITY_STEP: attention spans the whole capacity, so
+    finer steps cost less per token; each distinct capacity compiles once (and is kept by
+    the persistent compilation cache).
+    """
+    need = max(total + steps.BUCKETS[-1] + PREFILL_CHUNK, MIN_CAPACITY)
+    return -(-need // CAPACITY_STEP) * CAPACITY_STEP
+
+
+def token_ids(ids: Any) -> np.ndarray:
+    """The prompt as int64 ids; text or non-integer values are refused, never cast."""
+    if isinstance(ids, (str, bytes)):
+        raise GenerationError("prompt must be token ids, got text; tokenize it first "
+                              "(e.g. model.tokenizer(text)['input_ids'])")
+    arr = np.asarray(ids)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise GenerationError(f"prompt token ids must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def validate(model: Model, ids: np.ndarray, max_new_tokens: int, capacity: int | None, seed: int) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 32:
+        raise GenerationError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+    if ids.ndim != 1 or len(ids) == 0:
+        raise GenerationError(f"prompt must be a non-empty 1-D list of token ids, got shape {ids.shape}")
+    if ids.min() < 0 or ids.max() >= model.config.vocab_size:
+        raise GenerationError(f"prompt token ids must be in [0, {model.config.vocab_size}), "
+                              f"got min {ids.min()} max {ids.max()}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    total = len(ids) + max_new_tokens
+    if total > model.config.max_position_embeddings:
+        raise GenerationError(f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                              f"max_position_embeddings ({model.config.max_position_embeddings})")
+    if capacity is None:
+        return capacity_for(total)
+    need = total + steps.BUCKETS[-1]
+    if capacity < need or capacity % 16:
+        raise GenerationError(f"capacity {capacity} is too small (or not a multiple of 16) for a prompt of "
+                              f"{len(ids)} tokens plus {max_new_tokens} new tokens (needs >= {need})")
+    return capacity
+
+
