@@ -10,10 +10,13 @@ import numpy as np
 
 from . import steps
 
-# Cost of one step over N tokens (rows x width) relative to one token, before any timing:
-# CPU, tiny-code with the CPU kernels inside a device loop (2 cores, 2026-11-30), and on
-# accelerators a step that stays bandwidth-bound; linear past the last point.
-CPU_TOKENS_COST = ((1, 1.0), (2, 1.25), (4, 1.7), (8, 2.5), (16, 4.3))
+# Cost of one step over N tokens (rows x width) relative to one token, before any timing.
+# CPU: tiny-code with the CPU kernels, 16 steps inside one compiled loop, context 512, 2
+# cores, 2026-12-01 (ms per step, rows x W: 1x1 1.55, 1x16 4.84, 8x1 3.11, 8x8 14.8, 16x16
+# 55.1; N = rows x W of about the same cost whatever the split). Accelerators: a step that
+# stays bandwidth-bound. Linear past the last point.
+CPU_TOKENS_COST = ((1, 1.0), (2, 1.06), (4, 1.6), (8, 1.95), (16, 3.2), (32, 5.5), (64, 9.8), (128, 18.5),
+                   (256, 35.5))
 ACCELERATOR_TOKENS_COST = ((1, 1.0), (2, 1.02), (4, 1.04), (8, 1.08), (16, 1.15))
 
 

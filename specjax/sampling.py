@@ -265,13 +265,47 @@ def transform_rows(logits: jax.Array, rs: RowSampling) -> jax.Array:
 def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Array:
     """One token per row of logits [N, V] under per-row settings; greedy rows take the argmax.
 
-    A sampled row draws by Gumbel-max over its support (`support_rows`) with noise indexed
-    by token id (`gumbel(key, [V])[token]`), so its token depends only on its own logits,
-    key and settings."""
-    v = logits.shape[-1]
-    noise = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
-    sampled = jnp.argmax(support_rows(logits, rs) + noise, axis=-1).astype(jnp.int32)
-    return jnp.where(rs.temperature > 0, sampled, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    A sampled row draws by Gumbel-max over its support (as `support_rows` defines it), by
+    the cheapest of the same three paths: a row with top-k of at most CANDIDATES (and no
+    more ties than that) adds noise `gumbel(fold_in(key, token))` to its CANDIDATES largest
+    logits only; any other row adds `gumbel(key, [V])[token]` over the vocabulary. Which
+    path serves a row, and so its token, depends only on its own logits, key and settings,
+    never on the other rows."""
+    n, v = logits.shape
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    temp = jnp.where(rs.temperature > 0, rs.temperature, 1.0)
+    x = _tempered(logits, Sampling(1.0)) / temp[:, None]
+    top_k = jnp.where((rs.top_k > 0) & (rs.top_k < v), rs.top_k, 0)
+    sampled = rs.temperature > 0
+
+    c = min(CANDIDATES, v)
+    vals, idx = jax.lax.top_k(x, c)
+    vals = jax.lax.optimization_barrier(vals)
+    kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, c - 1)[:, None], axis=-1)  # [N, 1]
+    kept = _top_p_min_p_rows(jnp.where(vals >= kth, vals, -jnp.inf), rs.top_p, rs.min_p)
+    noise_c = jax.vmap(lambda key, ids: jax.vmap(
+        lambda t: jax.random.gumbel(jax.random.fold_in(key, t), (), jnp.float32))(ids))(keys, idx)
+    pick = jnp.argmax(kept + noise_c, axis=-1)
+    candidates = jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    fits = (top_k > 0) & (top_k <= c) & (jnp.sum(x >= kth, axis=-1) <= c)
+    full = sampled & ((top_k > 0) | (rs.top_p < 1.0)) & ~fits
+    plain = sampled & (top_k == 0) & (rs.top_p >= 1.0)
+
+    def vocabulary(sort: bool):
+        def go(_):
+            noise = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
+            if not sort:
+                return jnp.argmax(_min_p_rows(x, rs.min_p) + noise, axis=-1).astype(jnp.int32)
+            desc = -jnp.sort(-x, axis=-1)
+            kth_v = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=-1)
+            y = jnp.where((top_k[:, None] > 0) & (x < kth_v), -jnp.inf, x)
+            return jnp.argmax(_top_p_min_p_rows(y, rs.top_p, rs.min_p) + noise, axis=-1).astype(jnp.int32)
+        return go
+
+    none = lambda _: greedy  # noqa: E731 (a branch for when no row takes the path)
+    by_min_p = jax.lax.cond(jnp.any(plain), vocabulary(False), none, None)
+    by_sort = jax.lax.cond(jnp.any(full), vocabulary(True), none, None)
+    return jnp.where(full, by_sort, jnp.where(plain, by_min_p, jnp.where(fits & sampled, candidates, greedy)))
 
 
 def target_tokens_rows(logits: jax.Array, positions: jax.Array, seeds: jax.Array, rs: RowSampling,
