@@ -298,10 +298,51 @@ class Engine:
         req.stats.prefill_s += time.perf_counter() - t0
         return int(token) if req.prefilled == len(req.prompt) else None
 
+    def row_counts(self) -> list[int]:
+        """The row counts a device call may be compiled for (buckets up to max_batch)."""
+        return sorted({min(b, self.max_batch) for b in ROW_BUCKETS} | {self.max_batch})
+
+    def compile(self, samplings: Sequence[bool] = (False, True)) -> None:
+        """Compile every step this engine may run (each row count, greedy and sampled
+        batches, the prefill chunk), so no request later waits on a compilation."""
+        for sampled in samplings:
+            for rows in self.row_counts():
+                self._call(rows, [], sampled)
+            rs = RowSampling.of([Sampling(1.0) if sampled else Sampling()])
+            for model, pools in [(self.model, (self.k_pool, self.v_pool))] + (
+                    [] if self.draft is None else [(self.draft, (self.dk_pool, self.dv_pool))]):
+                kv = KVCache(*pools, jnp.full((1, self.pages_per_row), SCRATCH, jnp.int32), jnp.zeros(1, jnp.int32),
+                             page_size=self.page_size)
+                _, _, kv = prefill_chunk(model.params, model.config, kv, jnp.zeros(PREFILL_CHUNK, jnp.int32),
+                                         jnp.int32(1), jnp.uint32(0), rs, sampled=sampled and model is self.model)
+                if model is self.model:
+                    self.k_pool, self.v_pool = kv.k, kv.v
+                else:
+                    self.dk_pool, self.dv_pool = kv.k, kv.v
+
     def _decode(self, decoding: list[Request], new: dict[Request, list[int]]) -> None:
-        m = self.model
         top = max(r.slot for r in decoding) + 1
         rows = min(next((b for b in ROW_BUCKETS if b >= top), top), self.max_batch)
+        live = [r for r in decoding if r.slot < rows]
+        tokens, counts, drafts, dlen, state = self._call(rows, live, any(not r.sampling.greedy for r in live))
+        for r in live:
+            b = r.slot
+            r.dlen = int(dlen[b])
+            r.state = {"accepted": state["accepted"][b], "judged": state["judged"][b]}
+            committed: list[int] = []
+            for i in range(self.n_rounds):
+                c = int(counts[i, b])
+                if c == 0:
+                    continue
+                r.stats.record(int(drafts[i, b]), c - 1)
+                committed += [int(x) for x in tokens[i, b, :c]]
+            self._emit(r, committed, new)
+
+    def _call(self, rows: int, live: list[Request], sampled: bool) -> tuple:
+        """One device call of `rounds` over `rows` rows, the `live` requests in their slots
+        (the other rows idle); returns per-round tokens, counts and drafts [R, rows, ...],
+        the draft cache lengths and the acceptance state."""
+        m = self.model
         size = np.zeros(rows, np.int32)
         budget = np.zeros(rows, np.int32)
         stops = np.full((rows, STOPS), -1, np.int32)
@@ -312,7 +353,6 @@ class Engine:
         state = {"accepted": zeros.copy(), "judged": zeros.copy()}
         use = np.zeros((rows, 2), bool)
         dlen = np.zeros(rows, np.int32)
-        live = [r for r in decoding if r.slot < rows]
         for r in live:
             b = r.slot
             size[b] = r.length
@@ -326,7 +366,6 @@ class Engine:
         idle[[r.slot for r in live]] = False
         table = self.table[:rows].copy()
         table[idle] = SCRATCH
-        sampled = any(not s.greedy for s in settings)
         key = (rows, sampled, self.draft_ratio, self.pages_per_row, self.k)
         costs = self.costs.setdefault(key, StepCosts(prior_costs(rows, self.draft_ratio).reshape(-1), groups=2))
         t0 = time.perf_counter()
@@ -353,19 +392,9 @@ class Engine:
                 self._finish(r)
             raise FloatingPointError("target logits contain NaN in a decode step of requests "
                                      f"{[r.id for r in live]}; check the weights")
-        costs.observe(np.bincount(widths[widths >= 0], minlength=2 * len(steps.BUCKETS)).astype(float), elapsed)
-        for r in live:
-            b = r.slot
-            r.dlen = int(dlen[b])
-            r.state = {"accepted": state["accepted"][b], "judged": state["judged"][b]}
-            committed: list[int] = []
-            for i in range(self.n_rounds):
-                c = int(counts[i, b])
-                if c == 0:
-                    continue
-                r.stats.record(int(drafts[i, b]), c - 1)
-                committed += [int(x) for x in tokens[i, b, :c]]
-            self._emit(r, committed, new)
+        if live:  # (a call without rows compiles, or confirms a compiled step: the fit's first call)
+            costs.observe(np.bincount(widths[widths >= 0], minlength=2 * len(steps.BUCKETS)).astype(float), elapsed)
+        return tokens, counts, drafts, dlen, state
 
     def _emit(self, req: Request, tokens: list[int], new: dict[Request, list[int]]) -> None:
         """Append committed tokens up to a stop id or max_new_tokens."""
