@@ -17,7 +17,7 @@ _EXPORTS = {
     "load_dflash": "dflash",
     "Qwen3Config": "config",
     "Adaptive": "adaptive",
-    "Engine": "engine", "Request": "engine", "Speculation": "engine",
+    "Engine": "engine", "Request": "engine", "Speculation": "engine", "HostDrafter": "engine",
     "shard": "sharding", "make_mesh": "sharding",
 }
 

@@ -39,6 +39,7 @@ class ConcurrencyConfig:
     new_tokens: int = 128
     reps: int = 2
     hf: bool = True
+    precompile: bool = True  # Engine.compile before each timed run (off: tests, where nothing is timed)
     out: Path = Path("bench-results")
 
 
@@ -47,11 +48,12 @@ def _methods(cfg: ConcurrencyConfig) -> list[tuple[str, Speculation | None]]:
             + [(f"k={k}", Speculation(k=k, adaptive=False)) for k in cfg.fixed_ks])
 
 
-def _engine_run(target: Model, spec: Speculation | None, prompts: list[list[int]], n: int, sampling: Sampling
-                ) -> dict[str, Any]:
+def _engine_run(target: Model, spec: Speculation | None, prompts: list[list[int]], n: int, sampling: Sampling,
+                precompile: bool = True) -> dict[str, Any]:
     max_len = min(target.config.max_position_embeddings, -(-max(len(p) + n for p in prompts) // 256) * 256)
     engine = Engine(target, spec, max_batch=len(prompts), max_len=max_len)
-    engine.compile((not sampling.greedy,))  # every row count: requests finishing apart reach them all
+    if precompile:  # every row count: requests finishing apart reach them all
+        engine.compile((not sampling.greedy,))
     t0 = time.perf_counter()
     reqs = [engine.submit(p, max_new_tokens=n, sampling=sampling, seed=i, stop_ids=()) for i, p in enumerate(prompts)]
     engine.run()
@@ -124,7 +126,7 @@ def run(cfg: ConcurrencyConfig, log: Callable[[str], None] = print) -> dict[str,
                 runs: dict[str, list[dict]] = {}
                 for rep in range(cfg.reps + 1):  # rep 0 compiles
                     for name, spec in methods:
-                        r = _engine_run(target, spec, prompts, cfg.new_tokens, sampling)
+                        r = _engine_run(target, spec, prompts, cfg.new_tokens, sampling, cfg.precompile)
                         if rep:
                             runs.setdefault(name, []).append(r)
                     if hf is not None and rep:

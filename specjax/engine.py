@@ -15,7 +15,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -56,15 +56,26 @@ class Speculation:
         check_ngram(self.max_ngram, self.min_ngram, MAX_NGRAM)
 
 
+@runtime_checkable
+class HostDrafter(Protocol):
+    """A proposer written in Python: asked on the host before each round of its row, it
+    fills that row's drafts (the tokens it guesses follow `history`, at most `limit`).
+    Its drafts are judged exactly as prompt lookup's, so output stays exact when they are
+    a function of `history` (deterministic)."""
+
+    def propose(self, history: np.ndarray, limit: int) -> Sequence[int]: ...
+
+
 class Request:
     """A submitted generation: iterate it for tokens as they are committed, `result()` to
     run the engine until it is done, `cancel()` to drop it (its pages return to the pool)."""
 
     def __init__(self, engine: "Engine", rid: int, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling,
-                 seed: int, stops: frozenset[int], k: int, use: tuple[bool, bool]):
+                 seed: int, stops: frozenset[int], k: int, use: tuple[bool, bool], drafter: HostDrafter | None):
         self.engine, self.id, self.prompt = engine, rid, prompt
         self.max_new_tokens, self.sampling, self.seed, self.stops, self.k = max_new_tokens, sampling, seed, stops, k
-        self.use = use  # may take (lookup, draft-model) drafts
+        self.use = use  # may take (lookup or host, draft-model) drafts
+        self.drafter = drafter
         self.tokens: list[int] = []
         self.stats = Stats(prompt_tokens=len(prompt))
         self.done = self.stopped = self.cancelled = False
@@ -77,7 +88,7 @@ class Request:
         self.reserved = 0
         self.prefilled = 0
         self.dlen = 0  # committed tokens in the draft model's cache
-        columns = engine.spec.max_ngram + 2  # lookup per match length, then the draft model
+        columns = engine.spec.max_ngram + 3  # lookup per match length, the draft model, host drafts
         self.state = {"accepted": np.zeros((2, columns), np.float32), "judged": np.zeros((2, columns), np.float32)}
 
     def __repr__(self) -> str:
@@ -147,6 +158,9 @@ class Engine:
                 raise GenerationError("a draft model needs speculative=k (or a Speculation): the most drafts per row")
         self.model, self.spec = model, spec or Speculation(k=1)
         self.k = spec.k if spec else 0
+        # compiled for the widest verify width k needs (a row's own k is a traced limit), so
+        # k = 4 .. 7 share one compiled call, 8 .. 15 another
+        self.compiled_k = steps.bucket(self.k + 1) - 1 if self.k else 0
         self.draft, self.sample_drafts = draft, bool(sample_drafts) and draft is not None
         self.draft_ratio = weight_bytes(draft.params) / weight_bytes(model.params) if draft is not None else 0.0
         self.max_batch, self.page_size, self.n_rounds = max_batch, page_size, rounds
@@ -173,12 +187,14 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def submit(self, ids: Sequence[int], *, max_new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
                stop_ids: Sequence[int] | None = None, k: int | None = None, lookup: bool = True,
-               draft: bool = True) -> Request:
+               draft: bool = True, drafter: HostDrafter | None = None) -> Request:
         """Queue a request; it joins the batch when a row and its pages are free.
 
         stop_ids defaults to the model's eos ids (`()` never stops early); k (at most the
         engine's) limits this request's drafts, 0 for plain decoding; lookup / draft say
-        whether it may take prompt-lookup and draft-model drafts."""
+        whether it may take prompt-lookup and draft-model drafts; a `drafter` (a Python
+        proposer) replaces prompt lookup for this request (one round per device call while
+        it runs)."""
         ids = token_ids(ids)
         validate(self.model, ids, max_new_tokens, None, seed)
         if not isinstance(sampling, Sampling):
@@ -195,8 +211,10 @@ class Engine:
             raise PoolError(f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) needs {need} pages of "
                             f"{self.page_size} slots; the pool has {self.pages.usable}")
         stops = frozenset(int(s) for s in (self.model.eos_ids if stop_ids is None else stop_ids))
+        if drafter is not None and not isinstance(drafter, HostDrafter):
+            raise GenerationError(f"drafter must have a propose(history, limit) method, got {type(drafter).__name__}")
         req = Request(self, self._next_id, ids.astype(np.int32), max_new_tokens, sampling, seed, stops, k,
-                      (bool(lookup), bool(draft) and self.draft is not None))
+                      (bool(lookup) or drafter is not None, bool(draft) and self.draft is not None), drafter)
         req.reserved = need
         self._next_id += 1
         self.queue.append(req)
@@ -330,7 +348,7 @@ class Engine:
             r.dlen = int(dlen[b])
             r.state = {"accepted": state["accepted"][b], "judged": state["judged"][b]}
             committed: list[int] = []
-            for i in range(self.n_rounds):
+            for i in range(counts.shape[0]):
                 c = int(counts[i, b])
                 if c == 0:
                     continue
@@ -349,14 +367,27 @@ class Engine:
         row_k = np.zeros(rows, np.int32)
         seeds = np.zeros(rows, np.uint32)
         settings = [Sampling()] * rows
-        zeros = np.zeros((rows, 2, self.spec.max_ngram + 2), np.float32)
+        zeros = np.zeros((rows, 2, self.spec.max_ngram + 3), np.float32)
         state = {"accepted": zeros.copy(), "judged": zeros.copy()}
         use = np.zeros((rows, 2), bool)
         dlen = np.zeros(rows, np.int32)
+        hosted = [r for r in live if r.drafter is not None and r.k]
+        n_rounds = 1 if hosted else self.n_rounds  # a host drafter is asked before every round
+        given = None
+        if hosted:
+            given = (np.zeros((rows, self.compiled_k), np.int32), np.full(rows, -1, np.int32))
+            for r in hosted:
+                found = np.asarray(r.drafter.propose(self.history[r.slot, :r.length].copy(), r.k), np.int64)
+                if found.ndim != 1 or (found.size and (found.min() < 0 or found.max() >= m.config.vocab_size)):
+                    raise GenerationError(f"request {r.id}: the drafter must return token ids in [0, "
+                                          f"{m.config.vocab_size}), got {found!r}")
+                found = found[:r.k]
+                given[0][r.slot, :len(found)] = found
+                given[1][r.slot] = len(found)
         for r in live:
             b = r.slot
             size[b] = r.length
-            budget[b] = min(r.max_new_tokens - len(r.tokens), self.n_rounds * (r.k + 1))
+            budget[b] = min(r.max_new_tokens - len(r.tokens), n_rounds * (r.k + 1))
             self._grow(r, r.length + int(budget[b]) + SPAN)
             listed = sorted(r.stops)[:STOPS]
             stops[b, :len(listed)] = listed
@@ -366,7 +397,7 @@ class Engine:
         idle[[r.slot for r in live]] = False
         table = self.table[:rows].copy()
         table[idle] = SCRATCH
-        key = (rows, sampled, self.draft_ratio, self.pages_per_row, self.k)
+        key = (rows, sampled, self.draft_ratio, self.pages_per_row, self.compiled_k, n_rounds)
         costs = self.costs.setdefault(key, StepCosts(prior_costs(rows, self.draft_ratio).reshape(-1), groups=2))
         t0 = time.perf_counter()
         kv = KVCache(self.k_pool, self.v_pool, jnp.asarray(table), jnp.asarray(np.maximum(size - 1, 0)),
@@ -378,8 +409,9 @@ class Engine:
             m.params, m.config, kv, jnp.asarray(self.history[:rows]), jnp.asarray(size), jnp.asarray(budget),
             jnp.asarray(stops), jnp.asarray(row_k), jnp.asarray(use), state,
             jnp.asarray(costs.ratios().reshape(2, -1), jnp.float32), jnp.asarray(seeds), RowSampling.of(settings),
-            None if d is None else d.params, dkv, dcfg=None if d is None else d.config, k=self.k,
-            max_ngram=self.spec.max_ngram, min_ngram=self.spec.min_ngram, n_rounds=self.n_rounds, sampled=sampled,
+            None if d is None else d.params, dkv, None if given is None else tuple(map(jnp.asarray, given)),
+            dcfg=None if d is None else d.config, k=self.compiled_k,
+            max_ngram=self.spec.max_ngram, min_ngram=self.spec.min_ngram, n_rounds=n_rounds, sampled=sampled,
             sample_drafts=self.sample_drafts, adaptive=self.spec.adaptive)
         self.k_pool, self.v_pool = kv.k, kv.v
         if dkv is not None:

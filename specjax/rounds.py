@@ -151,7 +151,8 @@ def _score(state: dict, column: jax.Array, drafts: jax.Array, n: jax.Array, out:
                                    "sample_drafts", "adaptive"), donate_argnames=("kv", "dkv"))
 def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, size: jax.Array,
            budget: jax.Array, stops: jax.Array, row_k: jax.Array, use: jax.Array, state: dict, costs: jax.Array,
-           seeds: jax.Array, rs: RowSampling, dparams: Params | None = None, dkv: KVCache | None = None, *,
+           seeds: jax.Array, rs: RowSampling, dparams: Params | None = None, dkv: KVCache | None = None,
+           given: tuple[jax.Array, jax.Array] | None = None, *,
            dcfg: Qwen3Config | None = None, k: int, max_ngram: int, min_ngram: int, n_rounds: int, sampled: bool,
            sample_drafts: bool = False, adaptive: bool = True):
     """Up to `n_rounds` speculative rounds over R rows (module docstring).
@@ -161,8 +162,10 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     [R]: tokens a row may commit in this call (0: idle); stops [R, STOPS] (-1 padded);
     row_k [R]: a row's most drafts (0: plain decoding); use [R, 2]: whether the row may
     take lookup drafts (column 0) and draft-model drafts (column 1); state {"accepted",
-    "judged"} [R, 2, max_ngram + 2]: decayed counts of first / later drafts per lookup
-    match length (columns 0 .. max_ngram) and of the draft model (the last column);
+    "judged"} [R, 2, max_ngram + 3]: decayed counts of first / later drafts per lookup
+    match length (columns 0 .. max_ngram), of the draft model and of host drafts (the last
+    two columns); given: host drafts (drafts [R, k], count [R], -1 for rows without) that
+    replace those rows' lookup drafts (a proposer written in Python; one round a call);
     costs [2, widths]: t(W) / t(1) of a step of R rows without / with the draft chain;
     seeds [R]; rs: per-row sampling. With a draft model (dparams, dcfg): dkv its cache over
     the same page table, dkv.lengths the committed tokens it holds (at most size);
@@ -176,6 +179,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     widths = steps.BUCKETS[:steps.BUCKETS.index(steps.bucket(k + 1)) + 1]
     room = jnp.array([min(w - 1, k) for w in widths])  # drafts each width judges
     model_col = jnp.full((rows,), max_ngram + 1, jnp.int32)
+    host_col = max_ngram + 2
     drawn = sample_drafts & (rs.temperature > 0)  # rows whose model drafts are sampled
 
     def branch(width):
@@ -211,6 +215,11 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         else:
             lookup_drafts, found, m = (jnp.zeros((rows, 1), jnp.int32), jnp.zeros(rows, jnp.int32),
                                        jnp.zeros(rows, jnp.int32))
+        if given is not None and k:
+            hosted = given[1] >= 0
+            lookup_drafts = jnp.where(hosted[:, None], given[0], lookup_drafts)
+            found = jnp.where(hosted, given[1], found)
+            m = jnp.where(hosted, host_col, m)
         found = jnp.where(use[:, 0], jnp.minimum(found, limit), 0)
         rate = _rates(state, m)
         e_l = expected_tokens(rate[:, :1], rate[:, 1:], jnp.minimum(room[None, :], found[:, None]))  # [R, widths]

@@ -133,7 +133,8 @@ def test_concurrency_run_writes_every_cell_and_stays_exact(tmp_path):
 
     target = _random_model(tmp_path / "t", 32, 2, 3)
     cfg = bench_batch.ConcurrencyConfig(model=target, levels=(1, 3), workloads=("edit",), fixed_ks=(4,),
-                                        prompt_tokens=96, new_tokens=10, reps=1, out=tmp_path / "out")
+                                        prompt_tokens=96, new_tokens=10, reps=1, precompile=False,
+                                        out=tmp_path / "out")
     res = bench_batch.run(cfg, log=lambda s: None)
     cells = {(c["sampling"], c["concurrency"]): c for c in res["cells"]}
     assert set(cells) == {(s, c) for s in ("greedy", "sampled") for c in (1, 3)}

@@ -320,3 +320,52 @@ def test_sampled_drafts_at_batch_follow_the_target_distribution(tmp_path_factory
     exp = np.append(expected[big], expected[~big].sum())
     assert counts.ravel()[exact.ravel() == 0].sum() == 0
     assert scipy_stats.chisquare(obs, exp * (obs.sum() / exp.sum())).pvalue > 1e-3
+
+
+class _Oracle:
+    """A Python proposer that knows the plain continuation of one prompt (right every time)
+    or, with `wrong`, shifts every token (wrong every time)."""
+
+    def __init__(self, prompt, continuation, vocab, wrong=False):
+        self.full = np.concatenate([prompt, continuation]).astype(np.int64)
+        self.vocab, self.wrong = vocab, wrong
+
+    def propose(self, history, limit):
+        nxt = self.full[len(history):len(history) + limit]
+        return (nxt + 1) % self.vocab if self.wrong else nxt
+
+
+def test_host_drafters_fill_the_drafts_array(cyclic_target, rng):
+    """Rows whose drafts come from Python (an oracle, a proposer always wrong) next to rows
+    with prompt lookup: every row equals its plain run alone; the oracle's drafts are taken."""
+    model = cyclic_target
+    v = model.config.vocab_size
+    prompts = _prompts(rng, v)[:4]
+    alone = [specjax.generate(model, p, max_new_tokens=30, stop_ids=()).tokens for p in prompts]
+    engine = Engine(model, 7, max_batch=4, max_len=256)
+    reqs = [engine.submit(prompts[0], max_new_tokens=30, stop_ids=(), drafter=_Oracle(prompts[0], alone[0], v)),
+            engine.submit(prompts[1], max_new_tokens=30, stop_ids=(), drafter=_Oracle(prompts[1], alone[1], v, True)),
+            engine.submit(prompts[2], max_new_tokens=30, stop_ids=()),
+            engine.submit(prompts[3], max_new_tokens=30, stop_ids=(), k=0)]
+    assert [r.result().tokens for r in reqs] == alone
+    oracle, wrong = reqs[0].stats, reqs[1].stats
+    assert oracle.tokens_per_step > 1.5 and oracle.accepted == oracle.drafted and wrong.accepted == 0
+    bad = engine.submit(prompts[0], max_new_tokens=5, stop_ids=(), drafter=_Oracle(prompts[0], [v + 3] * 40, v + 10))
+    with pytest.raises(GenerationError, match=r"drafter must return token ids in \[0, 101\)"):
+        bad.result()
+    with pytest.raises(GenerationError, match="drafter must have a propose"):
+        engine.submit(prompts[0], max_new_tokens=5, drafter=object())
+
+
+def test_compile_leaves_nothing_to_compile(cyclic_target, rng):
+    """After Engine.compile, requests finishing at different times (every row count) and the
+    prefill of new ones compile nothing."""
+    model = cyclic_target
+    engine = Engine(model, 3, max_batch=2, max_len=128)
+    engine.compile((False,))
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+    reqs = [engine.submit(p, max_new_tokens=n, stop_ids=()) for p, n in zip(_prompts(rng, model.config.vocab_size), (40, 5))]
+    assert [len(r.result().tokens) for r in reqs] == [40, 5]
+    assert compiles == []
