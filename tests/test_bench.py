@@ -127,19 +127,18 @@ def test_novel_prompts_give_prompt_lookup_nothing_to_copy():
 
 def test_concurrency_run_writes_every_cell_and_stays_exact(tmp_path):
     """`specjax bench --concurrency` on a random model: one cell per workload, sampling and
-    level, every method and transformers' padded batch present, speculative rows equal to
-    the plain run of their cell."""
+    level, every method present, speculative rows equal to the plain run of their cell."""
     from specjax import bench_batch
 
     target = _random_model(tmp_path / "t", 32, 2, 3)
     cfg = bench_batch.ConcurrencyConfig(model=target, levels=(1, 3), workloads=("edit",), fixed_ks=(4,),
-                                        prompt_tokens=96, new_tokens=10, reps=1, precompile=False,
+                                        prompt_tokens=96, new_tokens=10, reps=1, precompile=False, hf=False,
                                         out=tmp_path / "out")
     res = bench_batch.run(cfg, log=lambda s: None)
     cells = {(c["sampling"], c["concurrency"]): c for c in res["cells"]}
     assert set(cells) == {(s, c) for s in ("greedy", "sampled") for c in (1, 3)}
     for cell in cells.values():
-        assert set(cell["methods"]) == {"plain", "auto", "k=4", "hf-plain"}
+        assert set(cell["methods"]) == {"plain", "auto", "k=4"}
         assert all(m.get("exact", True) for m in cell["methods"].values())
         assert cell["methods"]["plain"]["aggregate_tok_s"] > 0 and cell["best_fixed"] == "k=4"
     written = json.loads((tmp_path / "out" / "concurrency.json").read_text())
