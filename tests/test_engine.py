@@ -285,16 +285,9 @@ def test_sampled_drafts_at_batch_follow_the_target_distribution(tmp_path_factory
     """Chi-square of tokens 2-3 of one request (2 sampled drafts per step) against the
     exact target law, from rows of batches whose other rows (prompts, settings, proposers)
     change from call to call."""
-    from conftest import hf_tiny
-    from test_speculative import _exact_pair_distribution
+    from test_speculative import sampled_draft_case
 
-    folders = [tmp_path_factory.mktemp(n) for n in ("bt", "bd")]
-    hf_tiny(folders[0], seed=11, vocab_size=24, init=0.3)
-    hf_tiny(folders[1], seed=12, vocab_size=24, num_hidden_layers=1, init=0.3)
-    target, draft = specjax.load(folders[0]), specjax.load(folders[1])
-    s = Sampling(temperature=1.0, top_k=12)
-    ids = np.array([3, 7, 1, 9])
-    exact = _exact_pair_distribution(target, ids, s)
+    target, draft, s, ids, exact = sampled_draft_case(tmp_path_factory)
     engine = Engine(target, Speculation(k=2, adaptive=False), draft=draft, sample_drafts=True, max_batch=16,
                     max_len=64)
     rng = np.random.default_rng(0)

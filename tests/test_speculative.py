@@ -144,15 +144,21 @@ def _exact_pair_distribution(model, ids, s):
     return np.einsum("a,ab,abc->bc", p1, p2, p3)
 
 
-def test_sampled_drafts_follow_target_distribution(tmp_path_factory):
-    """Chi-square of tokens 2-3 (one speculative step, 2 sampled drafts) against the exact target law."""
+def sampled_draft_case(tmp_path_factory):
+    """(target, draft, sampling, prompt, exact law of tokens 2-3) on a vocabulary of 24:
+    the case every chi-square of sampled drafts uses."""
     folders = [tmp_path_factory.mktemp(n) for n in ("t32", "d32")]
     hf_tiny(folders[0], seed=11, vocab_size=24, init=0.3)
     hf_tiny(folders[1], seed=12, vocab_size=24, num_hidden_layers=1, init=0.3)
     target, draft = specjax.load(folders[0]), specjax.load(folders[1])
     s = Sampling(temperature=1.0, top_k=12)
     ids = np.array([3, 7, 1, 9])
-    exact = _exact_pair_distribution(target, ids, s)
+    return target, draft, s, ids, _exact_pair_distribution(target, ids, s)
+
+
+def test_sampled_drafts_follow_target_distribution(tmp_path_factory):
+    """Chi-square of tokens 2-3 (one speculative step, 2 sampled drafts) against the exact target law."""
+    target, draft, s, ids, exact = sampled_draft_case(tmp_path_factory)
     prop = DraftProposer(draft, k=2, sample=True)
     n = 2500
     counts = np.zeros_like(exact)
