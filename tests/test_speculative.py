@@ -156,6 +156,18 @@ def sampled_draft_case(tmp_path_factory):
     return target, draft, s, ids, _exact_pair_distribution(target, ids, s)
 
 
+def assert_follows(counts: np.ndarray, exact: np.ndarray) -> None:
+    """Counts of token pairs drawn from `exact`: nothing where it is 0, and chi-square
+    (cells expecting under 5 pooled) p > 1e-3."""
+    n = counts.sum()
+    expected = exact.ravel() * n
+    big = expected >= 5
+    obs = np.append(counts.ravel()[big], counts.ravel()[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    assert counts.ravel()[exact.ravel() == 0].sum() == 0
+    assert stats.chisquare(obs, exp * (obs.sum() / exp.sum())).pvalue > 1e-3
+
+
 def test_sampled_drafts_follow_target_distribution(tmp_path_factory):
     """Chi-square of tokens 2-3 (one speculative step, 2 sampled drafts) against the exact target law."""
     target, draft, s, ids, exact = sampled_draft_case(tmp_path_factory)
@@ -168,12 +180,7 @@ def test_sampled_drafts_follow_target_distribution(tmp_path_factory):
         counts[res.tokens[1], res.tokens[2]] += 1
         accepted += res.stats.accepted
     assert 0 < accepted < 2 * n  # both the accept and the residual paths ran
-    expected = exact.ravel() * n
-    big = expected >= 5
-    obs = np.append(counts.ravel()[big], counts.ravel()[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    assert counts.ravel()[exact.ravel() == 0].sum() == 0
-    assert stats.chisquare(obs, exp * (obs.sum() / exp.sum())).pvalue > 1e-3
+    assert_follows(counts, exact)
 
 
 def test_rollback_then_next_logits_equal_fresh_forward(tiny, rng):
