@@ -35,12 +35,24 @@ def prior_width_costs(rows: int) -> np.ndarray:
     return np.array([tokens_cost(rows * w) / tokens_cost(rows) for w in steps.BUCKETS])
 
 
-def prior_costs(rows: int, draft_ratio: float) -> np.ndarray:
-    """[2, widths] prior step costs without and with the draft model's chain of W - 2
-    steps, each `draft_ratio` (its weight bytes over the target's) of a target step."""
+def chain_cost(draft_ratio: float) -> np.ndarray:
+    """Prior extra cost per width of a draft model's chain of W - 2 steps, each
+    `draft_ratio` (its weight bytes over the target's) of a target step."""
+    return np.array([max(w - 2, 0) * draft_ratio for w in steps.BUCKETS])
+
+
+def block_cost(rows: int, ratio: float, block_size: int) -> np.ndarray:
+    """Prior extra cost (any width) of one DFlash block pass: block_size tokens per row
+    through a model `ratio` the target's weight bytes (its layers and the target's head)."""
+    return np.full(len(steps.BUCKETS), ratio * tokens_cost(rows * block_size) / tokens_cost(rows))
+
+
+def prior_costs(rows: int, extras: list[np.ndarray]) -> np.ndarray:
+    """[2^M, widths] prior step costs of rows x W tokens, for each subset of the M model
+    proposers (bit i: extras[i], that proposer's extra cost per width, is paid)."""
     plain = prior_width_costs(rows)
-    chain = np.array([max(w - 2, 0) * draft_ratio for w in steps.BUCKETS])
-    return np.stack([plain, plain + chain])
+    return np.stack([plain + sum((e for i, e in enumerate(extras) if subset >> i & 1), np.zeros_like(plain))
+                     for subset in range(1 << len(extras))])
 
 
 @dataclasses.dataclass

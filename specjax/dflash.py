@@ -327,21 +327,29 @@ def _layer_trees(params: Params) -> tuple[Params, ...]:
     return checkpoint.unstack(params, DRAFT_LAYERS)[DRAFT_LAYERS]
 
 
-def _context_kv(params: Params, cfg: DFlashConfig, x: jax.Array, positions: jax.Array
-                ) -> tuple[jax.Array, jax.Array]:
-    """Per-layer K (k_norm + RoPE at `positions` [T]) and V, each [L, K, T, E], of context
-    rows c = hidden_norm(fc(x)) for concatenated target features x [T, n*D]."""
+def context_rows(params: Params, cfg: DFlashConfig, x: jax.Array, positions: jax.Array
+                 ) -> list[tuple[jax.Array, jax.Array]]:
+    """Per drafter layer, K (k_norm + RoPE at `positions` [R, T]) and V, each [R, T, K, E],
+    of context rows c = hidden_norm(fc(x)) for concatenated target features x [R, T, n*D]."""
     nh, nk, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    r, t, _ = x.shape
     x = x.astype(params["fc.weight"].dtype)
-    c = rms_norm(linear(x, params["fc.weight"]), params["hidden_norm.weight"], eps)  # [T, D]
-    ks, vs = [], []
+    c = rms_norm(linear(x, params["fc.weight"]), params["hidden_norm.weight"], eps)  # [R, T, D]
+    out = []
     for lp in _layer_trees(params):
         # c feeds every layer's k/v projection directly (no input_layernorm on the context)
-        k, v = jnp.split(linear(c, cpu_kernels.rows_from(lp["self_attn.qkv_proj.weight"], nh * hd)), 2, axis=-1)  # [T, K*E] each
-        k = rms_norm(k.reshape(1, -1, nk, hd), lp["self_attn.k_norm.weight"], eps)
-        ks.append(rope(k, positions[None], cfg.rope_theta)[0].transpose(1, 0, 2))
-        vs.append(v.reshape(-1, nk, hd).transpose(1, 0, 2))
-    return jnp.stack(ks), jnp.stack(vs)
+        k, v = jnp.split(linear(c, cpu_kernels.rows_from(lp["self_attn.qkv_proj.weight"], nh * hd)), 2, axis=-1)
+        k = rms_norm(k.reshape(r, t, nk, hd), lp["self_attn.k_norm.weight"], eps)
+        out.append((rope(k, positions, cfg.rope_theta), v.reshape(r, t, nk, hd)))
+    return out
+
+
+def _context_kv(params: Params, cfg: DFlashConfig, x: jax.Array, positions: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """`context_rows` of one sequence (x [T, n*D], positions [T]) as [L, K, T, E] each."""
+    rows = context_rows(params, cfg, x[None], positions[None])
+    return (jnp.stack([k[0].transpose(1, 0, 2) for k, _ in rows]),
+            jnp.stack([v[0].transpose(1, 0, 2) for _, v in rows]))
 
 
 def _block_pass(params: Params, cfg: DFlashConfig, x: jax.Array, q_pos: jax.Array, ctx_k: jax.Array,

@@ -4,8 +4,8 @@ leaving between calls (continuous batching), speculative rounds on the device.
 Host side here: a queue of requests, a row (slot) per running request, the page allocator
 (`specjax.pages`), chunked prefill of joining requests interleaved with decode calls, the
 step-cost fit per row count, per-request statistics. Each decode call runs R rounds of
-`specjax.rounds` (drafting by prompt lookup and/or a draft model, choosing, verifying,
-committing) with no return to Python between rounds.
+`specjax.rounds` (drafting by prompt lookup, a draft model and/or a DFlash drafter,
+choosing, verifying, committing) with no return to Python between rounds.
 """
 
 from __future__ import annotations
@@ -23,14 +23,16 @@ import numpy as np
 
 from . import steps
 from .checkpoint import weight_bytes
+from .costs import StepCosts, block_cost, chain_cost, prior_costs
+from .dflash import Drafter, fit_problems
 from .kv import KVCache
-from .costs import StepCosts, prior_costs
 from .lookup import MAX_NGRAM
 from .results import PREFILL_CHUNK, GenerateResult, GenerationError, Stats, token_ids, validate
 from .model import Model
 from .pages import SCRATCH, PageAllocator, PoolError
 from .proposers import ProposerError, check_k, check_ngram
-from .rounds import SPAN, prefill_chunk, rounds
+from .qwen3 import head_weight
+from .rounds import SOURCES, SPAN, columns, prefill_chunk, rounds
 from .sampling import RowSampling, Sampling
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -71,10 +73,10 @@ class Request:
     run the engine until it is done, `cancel()` to drop it (its pages return to the pool)."""
 
     def __init__(self, engine: "Engine", rid: int, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling,
-                 seed: int, stops: frozenset[int], k: int, use: tuple[bool, bool], drafter: HostDrafter | None):
+                 seed: int, stops: frozenset[int], k: int, use: tuple[bool, bool, bool], drafter: HostDrafter | None):
         self.engine, self.id, self.prompt = engine, rid, prompt
         self.max_new_tokens, self.sampling, self.seed, self.stops, self.k = max_new_tokens, sampling, seed, stops, k
-        self.use = use  # may take (lookup or host, draft-model) drafts
+        self.use = use  # may take (lookup or host, draft-model, DFlash) drafts
         self.drafter = drafter
         self.tokens: list[int] = []
         self.stats = Stats(prompt_tokens=len(prompt))
@@ -88,8 +90,8 @@ class Request:
         self.reserved = 0
         self.prefilled = 0
         self.dlen = 0  # committed tokens in the draft model's cache
-        columns = engine.spec.max_ngram + 3  # lookup per match length, the draft model, host drafts
-        self.state = {"accepted": np.zeros((2, columns), np.float32), "judged": np.zeros((2, columns), np.float32)}
+        width = columns(engine.spec.max_ngram)
+        self.state = {"accepted": np.zeros((2, width), np.float32), "judged": np.zeros((2, width), np.float32)}
 
     def __repr__(self) -> str:
         return f"Request(id={self.id}, prompt={len(self.prompt)} tokens, {len(self.tokens)} generated, done={self.done})"
@@ -123,15 +125,16 @@ class Engine:
     """Continuous batching over one paged KV pool (module docstring).
 
     `speculative`: None (plain decoding), a `Speculation` or an int k (up to k drafts per
-    row, from prompt lookup and, with `draft`, a smaller model of the same vocabulary,
-    whose drafts are sampled for sampled rows when `sample_drafts`). `max_batch` rows run
+    row, from prompt lookup and, with `draft`, a smaller model of the same vocabulary, and,
+    with `dflash`, a DFlash drafter of this target; their drafts are sampled for sampled
+    rows when `sample_drafts`). `max_batch` rows run
     at once; each holds up to `max_len` tokens; the pool has `num_pages` pages of
     `page_size` slots (default: every row can reach max_len), shared by the target's and
     the draft model's caches. `rounds` is R, the speculative rounds per device call.
     """
 
     def __init__(self, model: Model, speculative: Speculation | int | None = None, *, draft: Model | None = None,
-                 sample_drafts: bool = False, max_batch: int = 8, max_len: int | None = None,
+                 dflash: Drafter | None = None, sample_drafts: bool = False, max_batch: int = 8, max_len: int | None = None,
                  num_pages: int | None = None, page_size: int = 16, rounds: int = 16):
         cfg = model.config
         if speculative is None or isinstance(speculative, Speculation):
@@ -156,16 +159,42 @@ class Engine:
                                     f"{cfg.vocab_size}: they must share a vocabulary")
             if spec is None:
                 raise GenerationError("a draft model needs speculative=k (or a Speculation): the most drafts per row")
+        if dflash is not None:
+            where = f" ({dflash.path})" if dflash.path else ""
+            if not isinstance(dflash, Drafter):
+                raise ProposerError(f"dflash must be a DFlash drafter (specjax.load_dflash(folder, target)), got "
+                                    f"{type(dflash).__name__}")
+            problems = fit_problems(dflash.cfg, cfg)
+            if problems:
+                raise ProposerError(f"DFlash drafter{where} does not fit the target: " + "; ".join(problems))
+            if jnp.dtype(dflash.dtype) != jnp.dtype(model.dtype):
+                raise ProposerError(f"DFlash drafter{where} is {jnp.dtype(dflash.dtype).name}, the target "
+                                    f"{jnp.dtype(model.dtype).name}: load it with the target's dtype "
+                                    "(specjax.load_dflash(folder, target))")
+            if spec is None:
+                raise GenerationError("a DFlash drafter needs speculative=k (or a Speculation): the most drafts per "
+                                      "row")
         self.model, self.spec = model, spec or Speculation(k=1)
         self.k = spec.k if spec else 0
         # compiled for the widest verify width k needs (a row's own k is a traced limit), so
         # k = 4 .. 7 share one compiled call, 8 .. 15 another
         self.compiled_k = steps.bucket(self.k + 1) - 1 if self.k else 0
-        self.draft, self.sample_drafts = draft, bool(sample_drafts) and draft is not None
-        self.draft_ratio = weight_bytes(draft.params) / weight_bytes(model.params) if draft is not None else 0.0
+        self.draft, self.dflash = draft, dflash
+        self.sample_drafts = bool(sample_drafts) and (draft is not None or dflash is not None)
+        # the model proposers' prior extra step costs (their weight bytes over the target's)
+        target_bytes = weight_bytes(model.params)
+        self.model_costs: list[tuple[str, float, int]] = []
+        if draft is not None:
+            self.model_costs.append(("chain", weight_bytes(draft.params) / target_bytes, 0))
+        if dflash is not None:
+            head = head_weight(model.params, cfg).nbytes
+            self.model_costs.append(("block", (weight_bytes(dflash.params) + head) / target_bytes,
+                                     dflash.cfg.block_size))
         self.max_batch, self.page_size, self.n_rounds = max_batch, page_size, rounds
         self.max_len = max_len
-        self.pages_per_row = -(-(max_len + SPAN) // page_size)
+        # slots a row may write past its length in a round: a verify step, a DFlash block
+        self.margin = max(SPAN, dflash.cfg.block_size if dflash is not None else 0)
+        self.pages_per_row = -(-(max_len + self.margin) // page_size)
         num_pages = max_batch * self.pages_per_row + 1 if num_pages is None else num_pages
         self.pages = PageAllocator(num_pages, page_size)
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, num_pages, page_size, cfg.head_dim)
@@ -176,6 +205,11 @@ class Engine:
             d = draft.config
             dshape = (d.num_hidden_layers, d.num_key_value_heads, num_pages, page_size, d.head_dim)
             self.dk_pool, self.dv_pool = jnp.zeros(dshape, draft.dtype), jnp.zeros(dshape, draft.dtype)
+        self.fk_pool = self.fv_pool = None
+        if dflash is not None:
+            f = dflash.cfg
+            fshape = (f.num_hidden_layers, f.num_key_value_heads, num_pages, page_size, f.head_dim)
+            self.fk_pool, self.fv_pool = jnp.zeros(fshape, dflash.dtype), jnp.zeros(fshape, dflash.dtype)
         self.table = np.full((max_batch, self.pages_per_row), SCRATCH, np.int32)
         self.history = np.zeros((max_batch, self.pages_per_row * page_size + SPAN), np.int32)
         self.slots: list[Request | None] = [None] * max_batch
@@ -187,12 +221,12 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def submit(self, ids: Sequence[int], *, max_new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
                stop_ids: Sequence[int] | None = None, k: int | None = None, lookup: bool = True,
-               draft: bool = True, drafter: HostDrafter | None = None) -> Request:
+               draft: bool = True, dflash: bool = True, drafter: HostDrafter | None = None) -> Request:
         """Queue a request; it joins the batch when a row and its pages are free.
 
         stop_ids defaults to the model's eos ids (`()` never stops early); k (at most the
-        engine's) limits this request's drafts, 0 for plain decoding; lookup / draft say
-        whether it may take prompt-lookup and draft-model drafts; a `drafter` (a Python
+        engine's) limits this request's drafts, 0 for plain decoding; lookup / draft / dflash
+        say whether it may take prompt-lookup, draft-model and DFlash drafts; a `drafter` (a Python
         proposer) replaces prompt lookup for this request (one round per device call while
         it runs)."""
         ids = token_ids(ids)
@@ -206,7 +240,7 @@ class Engine:
         if total > self.max_len:
             raise PoolError(f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) = {total} tokens exceeds the "
                             f"engine's max_len ({self.max_len})")
-        need = self.pages.pages_for(total + SPAN)
+        need = self.pages.pages_for(total + self.margin)
         if need > self.pages.usable:
             raise PoolError(f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) needs {need} pages of "
                             f"{self.page_size} slots; the pool has {self.pages.usable}")
@@ -214,7 +248,8 @@ class Engine:
         if drafter is not None and not isinstance(drafter, HostDrafter):
             raise GenerationError(f"drafter must have a propose(history, limit) method, got {type(drafter).__name__}")
         req = Request(self, self._next_id, ids.astype(np.int32), max_new_tokens, sampling, seed, stops, k,
-                      (bool(lookup) or drafter is not None, bool(draft) and self.draft is not None), drafter)
+                      (bool(lookup) or drafter is not None, bool(draft) and self.draft is not None,
+                       bool(dflash) and self.dflash is not None), drafter)
         req.reserved = need
         self._next_id += 1
         self.queue.append(req)
@@ -297,15 +332,18 @@ class Engine:
         kv = KVCache(self.k_pool, self.v_pool, jnp.asarray(table), jnp.array([start], jnp.int32),
                      page_size=self.page_size)
         rs = RowSampling.of([req.sampling])
-        token, bad, kv = prefill_chunk(m.params, m.config, kv, jnp.asarray(buf), jnp.int32(len(part)),
-                                       jnp.uint32(req.seed), rs, sampled=not req.sampling.greedy)
+        token, bad, kv, fkv = prefill_chunk(m.params, m.config, kv, jnp.asarray(buf), jnp.int32(len(part)),
+                                            jnp.uint32(req.seed), rs, sampled=not req.sampling.greedy,
+                                            **self._dflash_args(table))
         self.k_pool, self.v_pool = kv.k, kv.v
+        if fkv is not None:
+            self.fk_pool, self.fv_pool = fkv.k, fkv.v
         if self.draft is not None:  # the draft model's cache gets the prompt too
             d = self.draft
             dkv = KVCache(self.dk_pool, self.dv_pool, jnp.asarray(table), jnp.array([start], jnp.int32),
                           page_size=self.page_size)
-            _, _, dkv = prefill_chunk(d.params, d.config, dkv, jnp.asarray(buf), jnp.int32(len(part)),
-                                      jnp.uint32(req.seed), rs, sampled=False)
+            _, _, dkv, _ = prefill_chunk(d.params, d.config, dkv, jnp.asarray(buf), jnp.int32(len(part)),
+                                         jnp.uint32(req.seed), rs, sampled=False)
             self.dk_pool, self.dv_pool = dkv.k, dkv.v
             req.dlen = start + len(part)
         req.prefilled += len(part)
@@ -315,6 +353,14 @@ class Engine:
                                      "check the weights")
         req.stats.prefill_s += time.perf_counter() - t0
         return int(token) if req.prefilled == len(req.prompt) else None
+
+    def _dflash_args(self, table: np.ndarray) -> dict[str, Any]:
+        """The DFlash drafter's keywords of a compiled call over rows with page table `table`."""
+        if self.dflash is None:
+            return {}
+        fkv = KVCache(self.fk_pool, self.fv_pool, jnp.asarray(table), jnp.zeros(table.shape[0], jnp.int32),
+                      page_size=self.page_size)
+        return {"fparams": self.dflash.params, "fkv": fkv, "fcfg": self.dflash.cfg}
 
     def row_counts(self) -> list[int]:
         """The row counts a device call may be compiled for (buckets up to max_batch)."""
@@ -327,39 +373,46 @@ class Engine:
             for rows in self.row_counts():
                 self._call(rows, [], sampled)
             rs = RowSampling.of([Sampling(1.0) if sampled else Sampling()])
+            table = np.full((1, self.pages_per_row), SCRATCH, np.int32)
             for model, pools in [(self.model, (self.k_pool, self.v_pool))] + (
                     [] if self.draft is None else [(self.draft, (self.dk_pool, self.dv_pool))]):
-                kv = KVCache(*pools, jnp.full((1, self.pages_per_row), SCRATCH, jnp.int32), jnp.zeros(1, jnp.int32),
-                             page_size=self.page_size)
-                _, _, kv = prefill_chunk(model.params, model.config, kv, jnp.zeros(PREFILL_CHUNK, jnp.int32),
-                                         jnp.int32(1), jnp.uint32(0), rs, sampled=sampled and model is self.model)
-                if model is self.model:
+                kv = KVCache(*pools, jnp.asarray(table), jnp.zeros(1, jnp.int32), page_size=self.page_size)
+                target = model is self.model
+                _, _, kv, fkv = prefill_chunk(model.params, model.config, kv, jnp.zeros(PREFILL_CHUNK, jnp.int32),
+                                              jnp.int32(1), jnp.uint32(0), rs, sampled=sampled and target,
+                                              **(self._dflash_args(table) if target else {}))
+                if target:
                     self.k_pool, self.v_pool = kv.k, kv.v
                 else:
                     self.dk_pool, self.dv_pool = kv.k, kv.v
+                if fkv is not None:
+                    self.fk_pool, self.fv_pool = fkv.k, fkv.v
 
     def _decode(self, decoding: list[Request], new: dict[Request, list[int]]) -> None:
         top = max(r.slot for r in decoding) + 1
         rows = min(next((b for b in ROW_BUCKETS if b >= top), top), self.max_batch)
         live = [r for r in decoding if r.slot < rows]
-        tokens, counts, drafts, dlen, state = self._call(rows, live, any(not r.sampling.greedy for r in live))
+        log, dlen, state = self._call(rows, live, any(not r.sampling.greedy for r in live))
         for r in live:
             b = r.slot
             r.dlen = int(dlen[b])
             r.state = {"accepted": state["accepted"][b], "judged": state["judged"][b]}
             committed: list[int] = []
-            for i in range(counts.shape[0]):
-                c = int(counts[i, b])
+            for i in range(log["counts"].shape[0]):
+                c, n = int(log["counts"][i, b]), int(log["drafts"][i, b])
                 if c == 0:
                     continue
-                r.stats.record(int(drafts[i, b]), c - 1)
-                committed += [int(x) for x in tokens[i, b, :c]]
+                r.stats.record(n, c - 1)
+                source = int(log["source"][i, b])
+                r.stats.choices.append((None if source < 0 else "host" if r.drafter is not None and source == 0
+                                        else SOURCES[source], n))
+                committed += [int(x) for x in log["tokens"][i, b, :c]]
             self._emit(r, committed, new)
 
     def _call(self, rows: int, live: list[Request], sampled: bool) -> tuple:
         """One device call of `rounds` over `rows` rows, the `live` requests in their slots
-        (the other rows idle); returns per-round tokens, counts and drafts [R, rows, ...],
-        the draft cache lengths and the acceptance state."""
+        (the other rows idle); returns the rounds' log (`rounds.rounds`), the draft cache
+        lengths and the acceptance state."""
         m = self.model
         size = np.zeros(rows, np.int32)
         budget = np.zeros(rows, np.int32)
@@ -367,9 +420,9 @@ class Engine:
         row_k = np.zeros(rows, np.int32)
         seeds = np.zeros(rows, np.uint32)
         settings = [Sampling()] * rows
-        zeros = np.zeros((rows, 2, self.spec.max_ngram + 3), np.float32)
+        zeros = np.zeros((rows, 2, columns(self.spec.max_ngram)), np.float32)
         state = {"accepted": zeros.copy(), "judged": zeros.copy()}
-        use = np.zeros((rows, 2), bool)
+        use = np.zeros((rows, 3), bool)
         dlen = np.zeros(rows, np.int32)
         hosted = [r for r in live if r.drafter is not None and r.k]
         n_rounds = 1 if hosted else self.n_rounds  # a host drafter is asked before every round
@@ -388,7 +441,7 @@ class Engine:
             b = r.slot
             size[b] = r.length
             budget[b] = min(r.max_new_tokens - len(r.tokens), n_rounds * (r.k + 1))
-            self._grow(r, r.length + int(budget[b]) + SPAN)
+            self._grow(r, r.length + int(budget[b]) + self.margin)
             listed = sorted(r.stops)[:STOPS]
             stops[b, :len(listed)] = listed
             row_k[b], seeds[b], settings[b], use[b], dlen[b] = r.k, r.seed, r.sampling, r.use, r.dlen
@@ -397,19 +450,23 @@ class Engine:
         idle[[r.slot for r in live]] = False
         table = self.table[:rows].copy()
         table[idle] = SCRATCH
-        key = (rows, sampled, self.draft_ratio, self.pages_per_row, self.compiled_k, n_rounds)
-        costs = self.costs.setdefault(key, StepCosts(prior_costs(rows, self.draft_ratio).reshape(-1), groups=2))
+        key = (rows, sampled, tuple(self.model_costs), self.pages_per_row, self.compiled_k, n_rounds)
+        extras = [chain_cost(ratio) if kind == "chain" else block_cost(rows, ratio, size)
+                  for kind, ratio, size in self.model_costs]
+        groups = 1 << len(extras)
+        costs = self.costs.setdefault(key, StepCosts(prior_costs(rows, extras).reshape(-1), groups=groups))
         t0 = time.perf_counter()
         kv = KVCache(self.k_pool, self.v_pool, jnp.asarray(table), jnp.asarray(np.maximum(size - 1, 0)),
                      page_size=self.page_size)
         d = self.draft
         dkv = None if d is None else KVCache(self.dk_pool, self.dv_pool, jnp.asarray(table), jnp.asarray(dlen),
                                              page_size=self.page_size)
-        tokens, counts, drafts, widths, bad, kv, dkv, state = rounds(
+        log, bad, kv, dkv, fkv, state = rounds(
             m.params, m.config, kv, jnp.asarray(self.history[:rows]), jnp.asarray(size), jnp.asarray(budget),
             jnp.asarray(stops), jnp.asarray(row_k), jnp.asarray(use), state,
-            jnp.asarray(costs.ratios().reshape(2, -1), jnp.float32), jnp.asarray(seeds), RowSampling.of(settings),
-            None if d is None else d.params, dkv, None if given is None else tuple(map(jnp.asarray, given)),
+            jnp.asarray(costs.ratios().reshape(groups, -1), jnp.float32), jnp.asarray(seeds),
+            RowSampling.of(settings), None if d is None else d.params, dkv,
+            given=None if given is None else tuple(map(jnp.asarray, given)), **self._dflash_args(table),
             dcfg=None if d is None else d.config, k=self.compiled_k,
             max_ngram=self.spec.max_ngram, min_ngram=self.spec.min_ngram, n_rounds=n_rounds, sampled=sampled,
             sample_drafts=self.sample_drafts, adaptive=self.spec.adaptive)
@@ -417,7 +474,9 @@ class Engine:
         if dkv is not None:
             self.dk_pool, self.dv_pool = dkv.k, dkv.v
             dlen = np.asarray(dkv.lengths)
-        tokens, counts, drafts, widths, bad, state = jax.device_get((tokens, counts, drafts, widths, bad, state))
+        if fkv is not None:
+            self.fk_pool, self.fv_pool = fkv.k, fkv.v
+        log, bad, state = jax.device_get((log, bad, state))
         elapsed = time.perf_counter() - t0
         if bad:
             for r in live:
@@ -425,8 +484,10 @@ class Engine:
             raise FloatingPointError("target logits contain NaN in a decode step of requests "
                                      f"{[r.id for r in live]}; check the weights")
         if live:  # (a call without rows compiles, or confirms a compiled step: the fit's first call)
-            costs.observe(np.bincount(widths[widths >= 0], minlength=2 * len(steps.BUCKETS)).astype(float), elapsed)
-        return tokens, counts, drafts, dlen, state
+            widths = log["width"]
+            costs.observe(np.bincount(widths[widths >= 0], minlength=groups * len(steps.BUCKETS)).astype(float),
+                          elapsed)
+        return log, dlen, state
 
     def _emit(self, req: Request, tokens: list[int], new: dict[Request, list[int]]) -> None:
         """Append committed tokens up to a stop id or max_new_tokens."""
@@ -475,13 +536,13 @@ def engine_options(speculative: Any) -> tuple[dict[str, Any], dict[str, bool]]:
     """(Engine keywords, submit keywords) for a `generate` proposer argument.
 
     None: plain decoding; a `Speculation` as given; LookupProposer: prompt lookup with k
-    chosen per round, `steps` rounds per call; NgramProposer / DraftProposer: drafts of
-    their fixed k each step (what they mean on their own); an Adaptive over an n-gram
-    proposer and/or a draft model: the engine chooses among them per row and round.
+    chosen per round, `steps` rounds per call; NgramProposer / DraftProposer /
+    DFlashProposer: drafts of their fixed k each step (what they mean on their own); an
+    Adaptive over at most one of each: the engine chooses among them per row and round.
     """
     from .adaptive import Adaptive
     from .lookup import LookupProposer
-    from .proposers import DraftProposer, NgramProposer
+    from .proposers import DFlashProposer, DraftProposer, NgramProposer
 
     if speculative is None or isinstance(speculative, Speculation):
         return {"speculative": speculative}, {}
@@ -489,27 +550,43 @@ def engine_options(speculative: Any) -> tuple[dict[str, Any], dict[str, bool]]:
     parts = speculative.proposers if isinstance(speculative, Adaptive) else (speculative,)
     lookups = [p for p in parts if isinstance(p, (LookupProposer, NgramProposer))]
     drafts = [p for p in parts if isinstance(p, DraftProposer)]
-    if len(lookups) + len(drafts) != len(parts) or len(lookups) > 1 or len(drafts) > 1:
+    blocks = [p for p in parts if isinstance(p, DFlashProposer)]
+    if len(lookups) + len(drafts) + len(blocks) != len(parts) or max(len(lookups), len(drafts), len(blocks)) > 1:
         names = ", ".join(type(p).__name__ for p in parts)
-        raise GenerationError(f"the engine drafts by prompt lookup (LookupProposer, NgramProposer) and/or one "
-                              f"DraftProposer; got {names}")
+        raise GenerationError(f"the engine drafts by prompt lookup (LookupProposer, NgramProposer), one "
+                              f"DraftProposer and one DFlashProposer; got {names}")
+    models = drafts + blocks
+    if len({p.sample for p in models}) > 1:
+        raise GenerationError("the DraftProposer and the DFlashProposer must agree on sample (the engine samples "
+                              "every model's drafts for sampled rows, or none)")
     ngram = lookups[0] if lookups else NgramProposer()
     options: dict[str, Any] = {"speculative": Speculation(max(p.k for p in parts), ngram.max_ngram, ngram.min_ngram,
                                                           adaptive=adaptive)}
     if isinstance(speculative, LookupProposer):
         options["rounds"] = speculative.steps
     if drafts:
-        options.update(draft=drafts[0].model, sample_drafts=drafts[0].sample)
+        options["draft"] = drafts[0].model
+    if blocks:
+        options["dflash"] = blocks[0].drafter
+    if models:
+        options["sample_drafts"] = models[0].sample
     return options, {"lookup": bool(lookups)}
 
 
 def runs_on_engine(speculative: Any) -> bool:
-    """Whether one prompt with this proposer runs on the engine (DFlash, and Adaptive's
-    host-side choice with DFlash among its proposers, still run in `loop.generate`)."""
+    """Whether `generate` runs this proposer argument on the engine: all of specjax's own
+    (an Adaptive over at most one n-gram, one draft-model and one DFlash proposer); a
+    proposer of another kind runs in `loop.generate`'s host loop."""
+    from .adaptive import Adaptive
     from .lookup import LookupProposer
-    from .proposers import DraftProposer, NgramProposer
+    from .proposers import DFlashProposer, DraftProposer, NgramProposer
 
-    return speculative is None or isinstance(speculative, (Speculation, LookupProposer, NgramProposer, DraftProposer))
+    kinds = ((LookupProposer, NgramProposer), (DraftProposer,), (DFlashProposer,))
+    if speculative is None or isinstance(speculative, Speculation):
+        return True
+    parts = speculative.proposers if isinstance(speculative, Adaptive) else (speculative,)
+    counts = [sum(isinstance(p, kind) for p in parts) for kind in kinds]
+    return sum(counts) == len(parts) and max(counts) <= 1
 
 
 def generate_one(model: Model, ids: np.ndarray, *, max_new_tokens: int, sampling: Sampling, stop_ids: Any,

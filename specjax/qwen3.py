@@ -111,8 +111,9 @@ def _attend_layer(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax
 
 
 def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
-           cache: tuple | None, layer: jax.Array) -> tuple[jax.Array, tuple | None]:
-    """One decoder layer; returns the new residual stream and the updated pools."""
+           cache: tuple | None, layer: jax.Array, sees: jax.Array | None = None) -> tuple[jax.Array, tuple | None]:
+    """One decoder layer; returns the new residual stream and the updated pools. With a
+    cache, query t attends to the positions up to sees[:, t] (default: its own)."""
     b, t, _ = x.shape
     hd, nh, nk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     h = rms_norm(x, lp["input_layernorm.weight"], cfg.rms_norm_eps)
@@ -128,23 +129,26 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
     else:
         k_pool, v_pool, page_table, page_size, slots = cache
         k_pool, v_pool = kvlib.write_layer(k_pool, v_pool, layer, k, v, page_table, positions[:, 0], page_size)
+        limit = positions if sees is None else sees
         if cpu_kernels.applies(q, k_pool):
-            attn = cpu_kernels.paged_attention(q, k_pool, v_pool, layer, slots, positions, _attend_layer)
+            attn = cpu_kernels.paged_attention(q, k_pool, v_pool, layer, slots, limit, _attend_layer)
         else:
-            attn = _attend_layer(q, k_pool, v_pool, layer, slots, positions)
+            attn = _attend_layer(q, k_pool, v_pool, layer, slots, limit)
         cache = (k_pool, v_pool, page_table, page_size, slots)
     x = x + linear(attn, lp["self_attn.o_proj.weight"], lp.get("self_attn.o_proj.bias"))
     return mlp(lp, x, cfg.rms_norm_eps), cache
 
 
 def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Array,
-                  kv: kvlib.KVCache | None = None, taps: tuple[int, ...] = ()
+                  kv: kvlib.KVCache | None = None, taps: tuple[int, ...] = (), sees: jax.Array | None = None
                   ) -> tuple[jax.Array, kvlib.KVCache | None, jax.Array | None]:
     """Final-normed hidden states [B, T, D], the updated cache, and taps [n, B, T, D].
 
     taps[i] is the residual stream after layer taps[i] (transformers' hidden_states[id + 1];
     for the last layer that is the final-normed state, as in transformers). The cache's
-    lengths are not changed here: the caller decides how many tokens it commits.
+    lengths are not changed here: the caller decides how many tokens it commits. `sees`
+    [B, T] (with a cache) lets query t attend to every position up to sees[:, t] instead of
+    its own (a DFlash block: every block row sees the whole block).
     """
     x = cpu_kernels.rows(params["model.embed_tokens.weight"], tokens)
     cache = None if kv is None else (kv.k, kv.v, kv.page_table, kv.page_size)
@@ -153,7 +157,7 @@ def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions
         x, pools = carry
         lp, layer = xs
         c = None if pools is None else (*pools, kv.page_table, kv.page_size, slots)
-        x, c = _layer(cfg, lp, x, positions, c, layer)
+        x, c = _layer(cfg, lp, x, positions, c, layer, sees)
         return (x, None if c is None else c[:2]), (x if taps else None)
 
     pools = None if cache is None else cache[:2]

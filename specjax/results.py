@@ -34,7 +34,7 @@ class Stats:
     accepted_at: list[int] = dataclasses.field(default_factory=list)  # [i] steps that accepted draft i
     ks: list[int] = dataclasses.field(default_factory=list)           # drafts judged per step
     accepts: list[int] = dataclasses.field(default_factory=list)      # drafts accepted per step
-    choices: list = dataclasses.field(default_factory=list)           # Adaptive: (proposer, k) per step
+    choices: list = dataclasses.field(default_factory=list)           # (proposer, drafts) per step
     prefill_s: float = 0.0
     propose_s: float = 0.0
     verify_s: float = 0.0

@@ -2,20 +2,22 @@
 
 One round, for every row at once:
 1. draft: prompt lookup on the row's own history (the tokens after the latest earlier
-   occurrence of its longest suffix of max_ngram .. min_ngram tokens) and, when the engine
-   has a draft model, that model's drafts: its cache is fed the row's newly committed
+   occurrence of its longest suffix of max_ngram .. min_ngram tokens) and the engine's
+   model proposers (`specjax.drafters`): a draft model, fed the row's newly committed
    tokens (1-2 after a round it drafted, up to a round's worth otherwise), which gives d1,
-   and chained W - 2 more steps when the round uses it;
-2. choose: one verify width W for the step, whether the draft model chains, and each
-   row's proposer and drafts, so that the batch's expected committed tokens per second is
+   chained W - 2 more steps when the round uses it; a DFlash drafter, one block pass over
+   its context rows when the round uses it;
+2. choose: one verify width W for the step, which model proposers run, and each row's
+   proposer and drafts, so that the batch's expected committed tokens per second is
    largest. A row's expected tokens come from its own acceptance per proposer (first and
    later drafts; for lookup per n-gram length matched; decayed counts), the cost of a step
-   from measured times of steps of this many rows at each width, with and without the
-   chain (`StepCosts`), so speculation narrows as the batch fills;
+   from measured times of steps of this many rows at each width, for each set of model
+   proposers run (`StepCosts`), so speculation narrows as the batch fills;
 3. verify and commit: every row's [last, d1 .. d_{W-1}] scored in one target step. A row
    with deterministic drafts keeps them up to the first that differs from the target's own
-   position-keyed token, plus that token; a row with sampled draft-model drafts takes the
-   general rule (`sampling.accept_rows`);
+   position-keyed token, plus that token; a row with sampled model drafts takes the
+   general rule (`sampling.accept_rows`). The step's taps of the target become DFlash
+   context rows;
 4. score every proposer's drafts that the committed tokens decide (drafted or not), into
    that row's acceptance counts.
 The choice is a function of committed tokens and past acceptance only (never of this
@@ -35,6 +37,8 @@ from . import sampling as smp
 from . import steps
 from .checkpoint import Params
 from .config import Qwen3Config
+from .dflash import DFlashConfig
+from .drafters import block_drafts, chain, draft_token, feed, write_context
 from .kv import KVCache
 from .lookup import ACCEPT_DECAY, PRIOR_ACCEPT, PSEUDO, expected_tokens, find
 from .qwen3 import hidden_states, unembed
@@ -42,22 +46,30 @@ from .sampling import RowSampling
 
 SPAN = steps.BUCKETS[-1]  # widest verify step: tokens a row commits per round at most
 FEEDS = (2, SPAN)  # draft-model feed widths: after a round it drafted, and after any round
+DRAFT_COLUMN, HOST_COLUMN, DFLASH_COLUMN = 1, 2, 3  # past max_ngram: acceptance state columns
+SOURCES = ("lookup", "draft", "dflash")  # where a round's drafts came from (lookup: or a host drafter)
+
+
+def columns(max_ngram: int) -> int:
+    """Acceptance-state columns: lookup per match length 0 .. max_ngram, the draft model,
+    host drafts, DFlash."""
+    return max_ngram + DFLASH_COLUMN + 1
 
 
 def _verify(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, drafts: jax.Array,
             n: jax.Array, live: jax.Array, general: jax.Array, logq: jax.Array | None, seeds: jax.Array,
-            rs: RowSampling, width: int, sampled: bool):
+            rs: RowSampling, width: int, sampled: bool, taps: tuple[int, ...] = ()):
     """Score [last, d1 .. d_{W-1}] for every row [R] and commit each row's accepted prefix
     (rows where `general` is set by the rule for sampled drafts, with their logq).
 
     Returns (tokens [R, SPAN]: t_1 .. t_W, count [R] = accepted + 1 (0 for rows not live),
-    nan flag over live rows, cache)."""
+    nan flag over live rows, cache, the target's taps [n, R, W, D] or None)."""
     rows = last.shape[0]
     start = kv.lengths
     drafts = jnp.pad(drafts, ((0, 0), (0, max(0, width - 1 - drafts.shape[1]))))[:, :width - 1]
     tokens = jnp.concatenate([last[:, None], drafts], axis=1).astype(jnp.int32)
     positions = start[:, None] + jnp.arange(width)
-    h, kv, _ = hidden_states(params, cfg, tokens, positions, kv)
+    h, kv, tapped = hidden_states(params, cfg, tokens, positions, kv, taps)
     logits = unembed(params, cfg, h)  # [R, W, V]
     flat = smp.target_tokens_rows(logits.reshape(rows * width, -1), (positions + 1).reshape(-1),
                                   jnp.repeat(seeds, width), rs.repeat(width), sampled)
@@ -71,54 +83,7 @@ def _verify(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, draf
         accepted = jnp.where(general, g_accepted, accepted)
     count = jnp.where(live, accepted + 1, 0)
     bad = jnp.any(jnp.isnan(logits).any(axis=(1, 2)) & live)
-    return jnp.pad(out, ((0, 0), (0, SPAN - width))), count, bad, kv
-
-
-def _draft_token(logits: jax.Array, positions: jax.Array, seeds: jax.Array, rs: RowSampling, sample: jax.Array,
-                 sample_drafts: bool):
-    """The draft model's token for each row [R] (its argmax, or where `sample` is set a
-    draw from its transformed distribution, keyed by (seed, DRAFT stream, position)), and
-    the draft log-probs [R, V] when drafts may be sampled."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if not sample_drafts:
-        return greedy, None
-    keys = jax.vmap(lambda s, p: smp.position_key(s, smp.DRAFT, p))(seeds, positions)
-    logq = smp.transform_rows(logits, rs)
-    drawn = jax.vmap(smp.sample)(logq, keys)
-    return jnp.where(sample, drawn, greedy), logq
-
-
-def _feed(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, history: jax.Array, size: jax.Array, width: int):
-    """Append history[dlen : size] (the committed tokens the draft cache lacks, dlen =
-    dkv.lengths) to the draft cache; returns (draft logits after the last [R, V], cache)."""
-    rows = history.shape[0]
-    start = dkv.lengths
-    at = start[:, None] + jnp.arange(width)
-    tokens = jnp.take_along_axis(history, jnp.minimum(at, history.shape[1] - 1), axis=1)
-    h, dkv, _ = hidden_states(dparams, dcfg, tokens, at, dkv)
-    last = jnp.clip(size - start - 1, 0, width - 1)
-    logits = unembed(dparams, dcfg, h[jnp.arange(rows), last])
-    return logits, dkv.replace(lengths=jnp.maximum(size, start))
-
-
-def _chain(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, first: jax.Array, first_logq: jax.Array | None,
-           size: jax.Array, n_steps: jax.Array, k: int, seeds: jax.Array, rs: RowSampling, sample: jax.Array,
-           sample_drafts: bool):
-    """Drafts d1 .. d_{1 + n_steps} [R, k] (d1 given, at position size) by n_steps chained
-    draft-model steps, each feeding the previous draft; their log-probs [R, k, V] or None."""
-    drafts = jnp.zeros((first.shape[0], k), jnp.int32).at[:, 0].set(first)
-    logq = None if first_logq is None else jnp.zeros((first.shape[0], k, first_logq.shape[-1])).at[:, 0].set(first_logq)
-
-    def body(j, c):
-        dkv, drafts, logq = c
-        pos = size + j - 1
-        h, dkv, _ = hidden_states(dparams, dcfg, drafts[:, j - 1][:, None], pos[:, None], dkv)
-        token, lq = _draft_token(unembed(dparams, dcfg, h[:, 0]), pos + 1, seeds, rs, sample, sample_drafts)
-        drafts = drafts.at[:, j].set(token)
-        return dkv, drafts, (None if logq is None else logq.at[:, j].set(lq))
-
-    dkv, drafts, logq = jax.lax.fori_loop(1, 1 + n_steps, body, (dkv, drafts, logq))
-    return drafts, logq, dkv
+    return jnp.pad(out, ((0, 0), (0, SPAN - width))), count, bad, kv, tapped
 
 
 def _rates(state: dict, column: jax.Array) -> jax.Array:
@@ -147,67 +112,90 @@ def _score(state: dict, column: jax.Array, drafts: jax.Array, n: jax.Array, out:
     return {"accepted": fold(state["accepted"], hit), "judged": fold(state["judged"], judged)}
 
 
-@partial(jax.jit, static_argnames=("cfg", "dcfg", "k", "max_ngram", "min_ngram", "n_rounds", "sampled",
-                                   "sample_drafts", "adaptive"), donate_argnames=("kv", "dkv"))
+@partial(jax.jit, static_argnames=("cfg", "dcfg", "fcfg", "k", "max_ngram", "min_ngram", "n_rounds", "sampled",
+                                   "sample_drafts", "adaptive"), donate_argnames=("kv", "dkv", "fkv"))
 def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, size: jax.Array,
            budget: jax.Array, stops: jax.Array, row_k: jax.Array, use: jax.Array, state: dict, costs: jax.Array,
            seeds: jax.Array, rs: RowSampling, dparams: Params | None = None, dkv: KVCache | None = None,
+           fparams: Params | None = None, fkv: KVCache | None = None,
            given: tuple[jax.Array, jax.Array] | None = None, *,
-           dcfg: Qwen3Config | None = None, k: int, max_ngram: int, min_ngram: int, n_rounds: int, sampled: bool,
-           sample_drafts: bool = False, adaptive: bool = True):
+           dcfg: Qwen3Config | None = None, fcfg: DFlashConfig | None = None, k: int, max_ngram: int,
+           min_ngram: int, n_rounds: int, sampled: bool, sample_drafts: bool = False, adaptive: bool = True):
     """Up to `n_rounds` speculative rounds over R rows (module docstring).
 
     history [R, H]: each row's committed tokens (prompt and output), size [R] of them, the
     last being the one the next step feeds (the target cache holds the others); budget
     [R]: tokens a row may commit in this call (0: idle); stops [R, STOPS] (-1 padded);
-    row_k [R]: a row's most drafts (0: plain decoding); use [R, 2]: whether the row may
-    take lookup drafts (column 0) and draft-model drafts (column 1); state {"accepted",
-    "judged"} [R, 2, max_ngram + 3]: decayed counts of first / later drafts per lookup
-    match length (columns 0 .. max_ngram), of the draft model and of host drafts (the last
-    two columns); given: host drafts (drafts [R, k], count [R], -1 for rows without) that
-    replace those rows' lookup drafts (a proposer written in Python; one round a call);
-    costs [2, widths]: t(W) / t(1) of a step of R rows without / with the draft chain;
-    seeds [R]; rs: per-row sampling. With a draft model (dparams, dcfg): dkv its cache over
-    the same page table, dkv.lengths the committed tokens it holds (at most size);
-    sample_drafts: rows with temperature > 0 sample the model's drafts. adaptive False:
-    every row drafts in full (a fixed-k baseline for the chooser).
-    Returns (tokens [n_rounds, R, SPAN], counts [n_rounds, R], drafts judged
-    [n_rounds, R], width of each round [n_rounds] (index into steps.BUCKETS, plus
-    len(BUCKETS) when the chain ran; -1: no round), nan flag, cache, draft cache, state).
+    row_k [R]: a row's most drafts (0: plain decoding); use [R, 3]: whether the row may
+    take lookup (or host) drafts, draft-model drafts and DFlash drafts; state {"accepted",
+    "judged"} [R, 2, columns(max_ngram)]: decayed counts of first / later drafts per
+    lookup match length, of the draft model, of host drafts and of DFlash; given: host
+    drafts (drafts [R, k], count [R], -1 for rows without) that replace those rows' lookup
+    drafts (a proposer written in Python; one round a call); costs [2^M, widths]: t(W) /
+    t(1) of a step of R rows for each subset of the M model proposers present (bit 0 the
+    draft model's chain, then DFlash's block pass); seeds [R]; rs: per-row sampling. With
+    a draft model (dparams, dcfg): dkv its cache over the same page table, dkv.lengths the
+    committed tokens it holds (at most size). With a DFlash drafter (fparams, fcfg): fkv its
+    context pools over the same page table (its lengths unused). sample_drafts: rows with
+    temperature > 0 sample the models' drafts. adaptive False: every row drafts in full,
+    from a model where it may use one (a fixed-k baseline for the chooser).
+    Returns (log, nan flag, cache, draft cache, DFlash pools, state); log holds "tokens"
+    [n_rounds, R, SPAN], "counts" [n_rounds, R], "drafts" judged [n_rounds, R], "source"
+    [n_rounds, R] of those drafts (index into SOURCES; -1: none) and "width" [n_rounds],
+    each round's step kind (width index into steps.BUCKETS plus len(BUCKETS) times the
+    subset of model proposers run; -1: no round).
     """
     rows = history.shape[0]
     widths = steps.BUCKETS[:steps.BUCKETS.index(steps.bucket(k + 1)) + 1]
     room = jnp.array([min(w - 1, k) for w in widths])  # drafts each width judges
-    model_col = jnp.full((rows,), max_ngram + 1, jnp.int32)
-    host_col = max_ngram + 2
     drawn = sample_drafts & (rs.temperature > 0)  # rows whose model drafts are sampled
+    # the model proposers present, in subset-bit order: (name, state column, use column)
+    models = [m for m, there in (("draft", dcfg is not None), ("dflash", fcfg is not None)) if there]
+    bit = {m: 1 << i for i, m in enumerate(models)}
+    column = {"draft": max_ngram + DRAFT_COLUMN, "dflash": max_ngram + DFLASH_COLUMN}
+    use_col = {"draft": 1, "dflash": 2}
+    codes = jnp.array([0] + [SOURCES.index(m) for m in models], jnp.int32)  # row's src -> SOURCES index
+    fk = 0 if fcfg is None else min(k, fcfg.block_size - 1)  # DFlash drafts per pass
+    taps = () if fcfg is None else fcfg.target_layer_ids
 
     def branch(width):
-        def go(carry, size, last, lookup_drafts, first, first_logq, row_model, n, live, chain):
-            kv, dkv = carry
-            model_drafts = first[:, None]
-            logq = None if first_logq is None else first_logq[:, None]
-            if dcfg is not None and k > 1:
-                steps_n = jnp.where(chain, max(min(width - 1, k) - 1, 0), 0)
-                model_drafts, logq, dkv = _chain(dparams, dcfg, dkv, first, first_logq, size, steps_n, k,
-                                                 seeds, rs, drawn, sample_drafts)
+        def go(carry, size, last, candidates, logqs, first, first_logq, src, n, live, subset):
+            kv, dkv, fkv = carry
             if dcfg is not None:
-                model_drafts = jnp.pad(model_drafts, ((0, 0), (0, k - model_drafts.shape[1])))
-                drafts = jnp.where(row_model[:, None], model_drafts, lookup_drafts)
+                model_drafts, logq = first[:, None], None if first_logq is None else first_logq[:, None]
+                if k > 1:
+                    steps_n = jnp.where((subset & bit["draft"]) > 0, max(min(width - 1, k) - 1, 0), 0)
+                    model_drafts, logq, dkv = chain(dparams, dcfg, dkv, first, first_logq, size, steps_n, k,
+                                                    seeds, rs, drawn, sample_drafts)
+                candidates = candidates[:1] + [_fit(model_drafts, k)] + candidates[1:]
+                logqs = [None if logq is None else _fit(logq, k)] + logqs
             else:
-                drafts = lookup_drafts
-            out, count, bad, kv = _verify(params, cfg, kv, last, drafts, n, live, row_model & drawn, logq, seeds,
-                                          rs, width, sampled)
-            return (out, count, bad, model_drafts), (kv, dkv)
+                model_drafts = candidates[0][:, :1]
+            drafts = _by_source(src, candidates)
+            logq = _by_source(src - 1, logqs) if sample_drafts and models else None
+            out, count, bad, kv, tapped = _verify(params, cfg, kv, last, drafts, n, live, (src > 0) & drawn, logq,
+                                                  seeds, rs, width, sampled, taps)
+            if fcfg is not None:
+                fkv = write_context(fparams, fcfg, fkv, tapped, kv.lengths)
+            return (out, count, bad, model_drafts), (kv, dkv, fkv)
         return go
 
-    def feed(width):
+    def feed_at(width):
         def go(dkv, history, size):
-            return _feed(dparams, dcfg, dkv, history, size, width)
+            return feed(dparams, dcfg, dkv, history, size, width)
         return go
+
+    def block(fkv, last, start):
+        drafts, logq, fkv = block_drafts(fparams, fcfg, fkv, params, cfg, last, start, fk, seeds, rs, drawn,
+                                         sample_drafts)
+        return (drafts, logq), fkv
+
+    def no_block(fkv, last, start):
+        shapes = jax.eval_shape(block, fkv, last, start)[0]
+        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), fkv
 
     def body(c):
-        kv, dkv, history, size, made, i, state, bad, stopped, log = c
+        kv, dkv, fkv, history, size, made, i, state, bad, stopped, log = c
         live = (made < budget) & ~stopped
         limit = jnp.where(live, jnp.minimum(row_k, jnp.maximum(budget - made - 1, 0)), 0)
         if k:
@@ -219,89 +207,142 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             hosted = given[1] >= 0
             lookup_drafts = jnp.where(hosted[:, None], given[0], lookup_drafts)
             found = jnp.where(hosted, given[1], found)
-            m = jnp.where(hosted, host_col, m)
+            m = jnp.where(hosted, max_ngram + HOST_COLUMN, m)
         found = jnp.where(use[:, 0], jnp.minimum(found, limit), 0)
         rate = _rates(state, m)
         e_l = expected_tokens(rate[:, :1], rate[:, 1:], jnp.minimum(room[None, :], found[:, None]))  # [R, widths]
-        per_row = [e_l]  # expected tokens of each row at each width: lookup only, or with the chain
-        any_drafts = jnp.any(found > 0)
+        # each model proposer's drafts a row may take and its expected tokens at each width
+        offered, expect = {}, {}
+        for name in models:
+            offered[name] = jnp.where(use[:, use_col[name]], jnp.minimum(limit, fk if name == "dflash" else k), 0)
+            rate = _rates(state, jnp.full((rows,), column[name], jnp.int32))
+            expect[name] = expected_tokens(rate[:, :1], rate[:, 1:],
+                                           jnp.minimum(room[None, :], offered[name][:, None]))
         first, first_logq, dlen = jnp.zeros(rows, jnp.int32), None, None
-        found_m = e_m = None
         if dcfg is not None:
             dlen = dkv.lengths
             big = jnp.any(live & (size - dlen > FEEDS[0]))
-            logits, dkv = steps.switch(big.astype(jnp.int32), [feed(w) for w in FEEDS], dkv, history, size)
-            first, first_logq = _draft_token(logits, size, seeds, rs, drawn, sample_drafts)
-            found_m = jnp.where(use[:, 1], limit, 0)
-            rate = _rates(state, model_col)
-            e_m = expected_tokens(rate[:, :1], rate[:, 1:], jnp.minimum(room[None, :], found_m[:, None]))
-            per_row.append(jnp.maximum(e_l, e_m))
-            any_drafts = any_drafts | jnp.any(found_m > 0)
+            logits, dkv = steps.switch(big.astype(jnp.int32), [feed_at(w) for w in FEEDS], dkv, history, size)
+            first, first_logq = draft_token(logits, size, seeds, rs, drawn, sample_drafts)
+        any_drafts = jnp.any(found > 0)
+        for name in models:
+            any_drafts = any_drafts | jnp.any(offered[name] > 0)
+        at = jnp.arange(rows)
         if adaptive:
-            gain = jnp.stack([jnp.sum(e * live[:, None], axis=0) for e in per_row]) / costs[:len(per_row), :len(widths)]
+            # expected tokens of the batch per second for each (subset of models, width)
+            gains = []
+            for subset in range(1 << len(models)):
+                e = e_l
+                for name in models:
+                    if subset & bit[name]:
+                        e = jnp.maximum(e, jnp.where(offered[name][:, None] > 0, expect[name], 0.0))
+                gains.append(jnp.sum(e * live[:, None], axis=0))
+            gain = jnp.stack(gains) / costs[:, :len(widths)]
             best = jnp.argmax(gain.reshape(-1))
             pick = jnp.where(any_drafts, best % len(widths), 0)
-            chain = (best // len(widths) > 0) & (pick > 0)
-            at = jnp.arange(rows)
-            row_model = (chain & (e_m[at, pick] > e_l[at, pick]) & (found_m > 0) if dcfg is not None
-                         else jnp.zeros(rows, bool))
-        else:  # fixed k: the draft model where a row may use it, else lookup; the narrowest width for all
-            row_model = (found_m > 0) if dcfg is not None else jnp.zeros(rows, bool)
-            wanted = jnp.max(jnp.where(row_model, found_m, found)) if dcfg is not None else jnp.max(found)
+            subset = jnp.where(pick > 0, best // len(widths), 0)
+            # each row: the proposer of the chosen subset it expects most tokens from
+            src, top = jnp.zeros(rows, jnp.int32), e_l[at, pick]
+            for j, name in enumerate(models):
+                better = ((subset & bit[name]) > 0) & (offered[name] > 0) & (expect[name][at, pick] > top)
+                src = jnp.where(better, j + 1, src)
+                top = jnp.where(better, expect[name][at, pick], top)
+        else:  # fixed k: the first model a row may use, else lookup; the narrowest width that drafts all
+            src = jnp.zeros(rows, jnp.int32)
+            for j, name in reversed(list(enumerate(models))):
+                src = jnp.where(offered[name] > 0, j + 1, src)
+            subset = jnp.int32(0)
+            for j, name in enumerate(models):
+                subset = subset | jnp.where(jnp.any(src == j + 1), bit[name], 0)
+            wanted = jnp.max(_by_source(src, [found] + [offered[name] for name in models]))
             pick = jnp.argmax(room >= wanted)
-            chain = jnp.any(row_model) & (pick > 0)
-        n = jnp.where(pick > 0, jnp.minimum(room[pick], jnp.where(row_model, found_m, found) if dcfg is not None
-                                            else found), 0)
+            subset = jnp.where(pick > 0, subset, 0)
+        offer = _by_source(src, [found] + [offered[name] for name in models])
+        n = jnp.where(pick > 0, jnp.minimum(room[pick], offer), 0)
         last = jnp.take_along_axis(history, jnp.maximum(size - 1, 0)[:, None], axis=1)[:, 0]
-        (out, count, nan, model_drafts), (kv, dkv) = steps.switch(
-            pick, [branch(w) for w in widths], (kv, dkv), size, last, lookup_drafts, first, first_logq, row_model, n,
-            live, chain)
+        candidates, logqs = [_fit(lookup_drafts, k)], []
+        block_drafts_ = None
+        if fcfg is not None:  # DFlash's block pass, when the round uses it
+            ran = (subset & bit["dflash"]) > 0
+            (block_drafts_, block_logq), fkv = steps.switch(ran.astype(jnp.int32), [no_block, block], fkv, last,
+                                                            kv.lengths)
+            candidates.append(_fit(block_drafts_, k))
+            logqs.append(None if block_logq is None else _fit(block_logq, k))
+        (out, count, nan, model_drafts), (kv, dkv, fkv) = steps.switch(
+            pick, [branch(w) for w in widths], (kv, dkv, fkv), size, last, candidates, logqs, first, first_logq,
+            src, n, live, subset)
         # score every lookup (a plain step judges its first draft) and every model draft made
-        lookup_n = jnp.where(pick > 0, jnp.where(row_model, jnp.minimum(found, room[pick]), n), jnp.minimum(found, 1))
+        judged = jnp.where(pick > 0, room[pick], 1)
         if k:
-            state = _score(state, m, lookup_drafts, lookup_n, out, count, jnp.where(m > 0, ACCEPT_DECAY, 1.0))
+            state = _score(state, m, lookup_drafts, jnp.minimum(found, judged), out, count, jnp.where(m > 0, ACCEPT_DECAY, 1.0))
         if dcfg is not None:
-            model_n = jnp.where(use[:, 1] & live, jnp.where(chain, jnp.minimum(room[pick], limit),
+            chained = (subset & bit["draft"]) > 0
+            model_n = jnp.where(use[:, 1] & live, jnp.where(chained, jnp.minimum(room[pick], limit),
                                                             jnp.minimum(limit, 1)), 0)
-            state = _score(state, model_col, model_drafts, model_n, out, count,
+            state = _score(state, jnp.full((rows,), column["draft"], jnp.int32), model_drafts, model_n, out, count,
                            jnp.where(model_n > 0, ACCEPT_DECAY, 1.0))
             # the draft cache keeps the chain's fed drafts that were committed (never the newest token)
-            agree = jnp.sum(jnp.cumprod((model_drafts == out[:, :k]).astype(jnp.int32), axis=1), axis=1)
-            fed = jnp.where(chain, jnp.minimum(room[pick], k) - 1, 0)
+            agree = jnp.sum(jnp.cumprod((model_drafts == out[:, :model_drafts.shape[1]]).astype(jnp.int32),
+                                        axis=1), axis=1)
+            fed = jnp.where(chained, jnp.minimum(room[pick], k) - 1, 0)
             kept = jnp.minimum(jnp.minimum(agree, fed), jnp.maximum(count - 1, 0))
             dkv = dkv.replace(lengths=jnp.where(count > 0, size + kept, dlen))
+        if fcfg is not None:  # a pass's drafts are judged for every row that may take them
+            block_n = jnp.where(((subset & bit["dflash"]) > 0) & live, jnp.minimum(offered["dflash"], judged), 0)
+            state = _score(state, jnp.full((rows,), column["dflash"], jnp.int32), block_drafts_, block_n, out, count,
+                           jnp.where(block_n > 0, ACCEPT_DECAY, 1.0))
         history = jax.vmap(lambda h, o, s: jax.lax.dynamic_update_slice(h, o, (s,)))(history, out, size)
         committed = jnp.arange(SPAN)[None, :] < count[:, None]
         stopped = stopped | jnp.any(committed[:, :, None] & (out[:, :, None] == stops[:, None, :]), axis=(1, 2))
         kv = kv.replace(lengths=kv.lengths + count)
         log = {"tokens": log["tokens"].at[i].set(out), "counts": log["counts"].at[i].set(count),
                "drafts": log["drafts"].at[i].set(jnp.where(count > 0, n, 0)),
-               "width": log["width"].at[i].set(pick + jnp.where(chain, len(steps.BUCKETS), 0))}
-        return kv, dkv, history, size + count, made + count, i + 1, state, bad | nan, stopped, log
+               "width": log["width"].at[i].set(pick + subset * len(steps.BUCKETS)),
+               "source": log["source"].at[i].set(jnp.where(n > 0, codes[src], -1))}
+        return kv, dkv, fkv, history, size + count, made + count, i + 1, state, bad | nan, stopped, log
 
     def more(c):
-        made, i, stopped = c[4], c[5], c[8]
+        made, i, stopped = c[5], c[6], c[9]
         return (i < n_rounds) & jnp.any((made < budget) & ~stopped)
 
     log = {"tokens": jnp.zeros((n_rounds, rows, SPAN), jnp.int32),
            "counts": jnp.zeros((n_rounds, rows), jnp.int32), "drafts": jnp.zeros((n_rounds, rows), jnp.int32),
-           "width": jnp.full((n_rounds,), -1, jnp.int32)}
-    init = (kv, dkv, history, size, jnp.zeros(rows, jnp.int32), jnp.int32(0), state, jnp.bool_(False),
+           "width": jnp.full((n_rounds,), -1, jnp.int32), "source": jnp.full((n_rounds, rows), -1, jnp.int32)}
+    init = (kv, dkv, fkv, history, size, jnp.zeros(rows, jnp.int32), jnp.int32(0), state, jnp.bool_(False),
             jnp.zeros(rows, bool), log)
-    kv, dkv, _, _, _, _, state, bad, _, log = jax.lax.while_loop(more, body, init)
-    return log["tokens"], log["counts"], log["drafts"], log["width"], bad, kv, dkv, state
+    kv, dkv, fkv, _, _, _, _, state, bad, _, log = jax.lax.while_loop(more, body, init)
+    return log, bad, kv, dkv, fkv, state
 
 
-@partial(jax.jit, static_argnames=("cfg", "sampled"), donate_argnames=("kv",))
+def _by_source(src: jax.Array, options: list[jax.Array]) -> jax.Array:
+    """Row r of options[src[r]] (options [R, ...] each; src outside them: options[0])."""
+    out = options[0]
+    for j, option in enumerate(options[1:], 1):
+        out = jnp.where(src.reshape(src.shape + (1,) * (option.ndim - 1)) == j, option, out)
+    return out
+
+
+def _fit(x: jax.Array, n: int) -> jax.Array:
+    """x [R, m, ...] cut or zero-padded to [R, n, ...] along its second axis."""
+    x = x[:, :n]
+    return jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+@partial(jax.jit, static_argnames=("cfg", "sampled", "fcfg"), donate_argnames=("kv", "fkv"))
 def prefill_chunk(params: Params, cfg: Qwen3Config, kv: KVCache, tokens: jax.Array, n_valid: jax.Array,
-                  seed: jax.Array, rs: RowSampling, sampled: bool):
+                  seed: jax.Array, rs: RowSampling, sampled: bool, fparams: Params | None = None,
+                  fkv: KVCache | None = None, fcfg: DFlashConfig | None = None):
     """Append one chunk [C] (first n_valid real) to the one row of `kv` (its page table
-    [1, pages]) and draw the token after it with that row's settings.
+    [1, pages]) and draw the token after it with that row's settings; with a DFlash
+    drafter, the chunk's context rows go into its pools `fkv` too.
 
-    Returns (token, nan flag, cache with length + n_valid)."""
+    Returns (token, nan flag, cache with length + n_valid, DFlash pools)."""
     start = kv.lengths[0]
     positions = start + jnp.arange(tokens.shape[0])
-    h, kv, _ = hidden_states(params, cfg, tokens[None], positions[None], kv)
+    taps = () if fcfg is None else fcfg.target_layer_ids
+    h, kv, tapped = hidden_states(params, cfg, tokens[None], positions[None], kv, taps)
+    if fcfg is not None:
+        fkv = write_context(fparams, fcfg, fkv, tapped, kv.lengths)
     logits = unembed(params, cfg, h[0, n_valid - 1][None])
     token = smp.target_tokens_rows(logits, (start + n_valid)[None], seed[None], rs, sampled)[0]
-    return token, jnp.any(jnp.isnan(logits)), kv.replace(lengths=kv.lengths + n_valid)
+    return token, jnp.any(jnp.isnan(logits)), kv.replace(lengths=kv.lengths + n_valid), fkv

@@ -328,22 +328,6 @@ def test_greedy_equals_plain(tiny, drafter16, rng):
         assert spec.stats.drafted > 0
 
 
-def test_adaptive_with_lookup_equals_plain(tiny, drafter16, rng):
-    """Mixed with prompt lookup, DFlash drafts after stretches of steps it sat out (its
-    context catches up from the stash then) and the output stays plain decoding's."""
-    model = tiny[2]
-    base = rng.integers(0, model.config.vocab_size, 9)
-    ids = np.concatenate([base, base, base, rng.integers(0, model.config.vocab_size, 4)])
-    prop = Adaptive(NgramProposer(k=15), DFlashProposer(drafter16, k=7))
-    for sampling in (Sampling(), SAMPLED):
-        seed = int(rng.integers(1 << 31))
-        plain = specjax.generate(model, ids, max_new_tokens=60, sampling=sampling, seed=seed)
-        spec = specjax.generate(model, ids, max_new_tokens=60, sampling=sampling, seed=seed, speculative=prop)
-        assert spec.tokens == plain.tokens
-        used = [i for i, (p, k) in enumerate(spec.stats.choices) if p == 1 and k]
-        assert used and any(spec.stats.choices[i - 1][0] != 1 or not spec.stats.choices[i - 1][1] for i in used)
-
-
 def test_sampled(tiny, drafter16, rng):
     model = tiny[2]
     v = model.config.vocab_size

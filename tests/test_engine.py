@@ -10,7 +10,7 @@ import specjax
 from specjax import Sampling, sampling as smp
 from specjax.costs import prior_width_costs
 from specjax.engine import Engine, Speculation
-from specjax.rounds import rounds
+from specjax.rounds import columns, rounds
 from specjax.kv import KVCache
 from specjax.results import GenerationError
 from specjax.pages import PoolError
@@ -186,13 +186,15 @@ def _chooser_call(model, history_rows, state_value, costs, row_k=7):
     kv = KVCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32),
                  1 + np.arange(rows * pages, dtype=np.int32).reshape(rows, pages), size - 1, page_size=16)
     accepted, judged = state_value
-    state = {"accepted": np.full((rows, 2, 5), accepted, np.float32), "judged": np.full((rows, 2, 5), judged, np.float32)}
-    _, counts, drafts, _, _, _, _, _ = rounds(
+    width = columns(3)
+    state = {"accepted": np.full((rows, 2, width), accepted, np.float32),
+             "judged": np.full((rows, 2, width), judged, np.float32)}
+    log, _, _, _, _, _ = rounds(
         model.params, cfg, kv, h, size, np.full(rows, 16, np.int32), np.full((rows, 8), -1, np.int32),
-        np.full(rows, row_k, np.int32), np.ones((rows, 2), bool), state, np.asarray(costs, np.float32)[None],
+        np.full(rows, row_k, np.int32), np.ones((rows, 3), bool), state, np.asarray(costs, np.float32)[None],
         np.arange(rows, dtype=np.uint32),
         smp.RowSampling.of([Sampling()] * rows), k=7, max_ngram=3, min_ngram=1, n_rounds=1, sampled=False)
-    return np.asarray(drafts)[0], np.asarray(counts)[0]
+    return np.asarray(log["drafts"])[0], np.asarray(log["counts"])[0]
 
 
 def test_chooser_adapts_to_acceptance_and_cost(cyclic_target, rng):

@@ -1,0 +1,120 @@
+"""The engine's model proposers on the device, over the rows' shared page table.
+
+- A draft model (a smaller Qwen3 of the same vocabulary) has its own paged cache. Each
+  round feeds it the row's newly committed tokens, which gives its first draft d1, and
+  chains more steps when the round uses it.
+- A DFlash drafter (`specjax.dflash`) has a paged cache of context rows: per drafter layer
+  the K / V of c = hidden_norm(fc(target taps)) for every committed token but the newest
+  (as many as the target's cache holds). Each verify step's taps are written there
+  (`write_context`; rows past what the row commits are stale and overwritten later), and
+  a round that uses it runs one block pass (`block_logits`): the block [last, mask x
+  (B-1)] at the row's next positions is a Qwen3 stack whose every row attends to the
+  context before the block and to the whole block. The block's own keys and values are
+  written at the block's positions, where the next context rows overwrite them; a pass at
+  start s reads nothing at or past s that it did not write itself.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import kv as kvlib
+from . import sampling as smp
+from .checkpoint import LAYERS, Params
+from .config import Qwen3Config
+from .dflash import DRAFT_LAYERS, DFlashConfig, context_rows
+from .kv import KVCache
+from .qwen3 import hidden_states, unembed
+from .sampling import RowSampling
+
+
+def draft_token(logits: jax.Array, positions: jax.Array, seeds: jax.Array, rs: RowSampling, sample: jax.Array,
+                 sample_drafts: bool):
+    """The draft model's token for each row [R] (its argmax, or where `sample` is set a
+    draw from its transformed distribution, keyed by (seed, DRAFT stream, position)), and
+    the draft log-probs [R, V] when drafts may be sampled."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not sample_drafts:
+        return greedy, None
+    keys = jax.vmap(lambda s, p: smp.position_key(s, smp.DRAFT, p))(seeds, positions)
+    logq = smp.transform_rows(logits, rs)
+    drawn = jax.vmap(smp.sample)(logq, keys)
+    return jnp.where(sample, drawn, greedy), logq
+
+
+def feed(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, history: jax.Array, size: jax.Array, width: int):
+    """Append history[dlen : size] (the committed tokens the draft cache lacks, dlen =
+    dkv.lengths) to the draft cache; returns (draft logits after the last [R, V], cache)."""
+    rows = history.shape[0]
+    start = dkv.lengths
+    at = start[:, None] + jnp.arange(width)
+    tokens = jnp.take_along_axis(history, jnp.minimum(at, history.shape[1] - 1), axis=1)
+    h, dkv, _ = hidden_states(dparams, dcfg, tokens, at, dkv)
+    last = jnp.clip(size - start - 1, 0, width - 1)
+    logits = unembed(dparams, dcfg, h[jnp.arange(rows), last])
+    return logits, dkv.replace(lengths=jnp.maximum(size, start))
+
+
+def chain(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, first: jax.Array, first_logq: jax.Array | None,
+           size: jax.Array, n_steps: jax.Array, k: int, seeds: jax.Array, rs: RowSampling, sample: jax.Array,
+           sample_drafts: bool):
+    """Drafts d1 .. d_{1 + n_steps} [R, k] (d1 given, at position size) by n_steps chained
+    draft-model steps, each feeding the previous draft; their log-probs [R, k, V] or None."""
+    drafts = jnp.zeros((first.shape[0], k), jnp.int32).at[:, 0].set(first)
+    logq = None if first_logq is None else jnp.zeros((first.shape[0], k, first_logq.shape[-1])).at[:, 0].set(first_logq)
+
+    def body(j, c):
+        dkv, drafts, logq = c
+        pos = size + j - 1
+        h, dkv, _ = hidden_states(dparams, dcfg, drafts[:, j - 1][:, None], pos[:, None], dkv)
+        token, lq = draft_token(unembed(dparams, dcfg, h[:, 0]), pos + 1, seeds, rs, sample, sample_drafts)
+        drafts = drafts.at[:, j].set(token)
+        return dkv, drafts, (None if logq is None else logq.at[:, j].set(lq))
+
+    dkv, drafts, logq = jax.lax.fori_loop(1, 1 + n_steps, body, (dkv, drafts, logq))
+    return drafts, logq, dkv
+
+
+def write_context(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, taps: jax.Array, start: jax.Array) -> KVCache:
+    """Context rows of target taps [n, R, T, D] (row r's tokens at start[r] + t) into the
+    DFlash pools; lengths are not kept here (the target cache's lengths are the context's)."""
+    n, rows, t, d = taps.shape
+    x = taps.transpose(1, 2, 0, 3).reshape(rows, t, n * d)  # [R, T, n*D] in target_layer_ids order
+    k_pool, v_pool = fkv.k, fkv.v
+    for i, (k, v) in enumerate(context_rows(fparams, fcfg, x, start[:, None] + jnp.arange(t))):
+        k_pool, v_pool = kvlib.write_layer(k_pool, v_pool, jnp.int32(i), k, v, fkv.page_table, start, fkv.page_size)
+    return fkv.replace(k=k_pool, v=v_pool)
+
+
+def block_logits(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, params: Params, cfg: Qwen3Config,
+                 last: jax.Array, start: jax.Array, k: int) -> tuple[jax.Array, KVCache]:
+    """DFlash draft logits [R, k, V] for the k tokens after each row's `last` (at position
+    start [R]): one pass of the block [last, mask x (B-1)] (module docstring)."""
+    b = fcfg.block_size
+    tokens = jnp.full((last.shape[0], b), fcfg.mask_token_id, jnp.int32).at[:, 0].set(last)
+    positions = start[:, None] + jnp.arange(b)
+    sees = jnp.broadcast_to(positions[:, -1:], positions.shape)
+    # the drafter layers as a Qwen3 stack over the target's embedding
+    view = {"model.embed_tokens.weight": params["model.embed_tokens.weight"], LAYERS: fparams[DRAFT_LAYERS],
+            "model.norm.weight": fparams["norm.weight"]}
+    h, fkv, _ = hidden_states(view, fcfg.layer_config, tokens, positions, fkv, sees=sees)
+    return unembed(params, cfg, h[:, 1:k + 1]), fkv
+
+
+def block_drafts(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, params: Params, cfg: Qwen3Config,
+                 last: jax.Array, start: jax.Array, k: int, seeds: jax.Array, rs: RowSampling, sample: jax.Array,
+                 sample_drafts: bool) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """DFlash drafts [R, k] (argmax per block row, or where `sample` is set one independent
+    draw per row from its transformed q, keyed by (seed, DRAFT stream, position)), their
+    log-probs [R, k, V] when drafts may be sampled, and the pools."""
+    logits, fkv = block_logits(fparams, fcfg, fkv, params, cfg, last, start, k)
+    rows = last.shape[0]
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not sample_drafts:
+        return greedy, None, fkv
+    positions = (start[:, None] + 1 + jnp.arange(k)).reshape(-1)
+    keys = jax.vmap(lambda s, p: smp.position_key(s, smp.DRAFT, p))(jnp.repeat(seeds, k), positions)
+    logq = smp.transform_rows(logits.reshape(rows * k, -1), rs.repeat(k))
+    drawn = jax.vmap(smp.sample)(logq, keys).reshape(rows, k)
+    return jnp.where(sample[:, None], drawn, greedy), logq.reshape(rows, k, -1), fkv

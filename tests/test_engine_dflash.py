@@ -1,0 +1,144 @@
+"""DFlash in the engine's device round: its paged context and block pass against the
+single-sequence drafter, rows against their plain runs alone, sampled drafts against the
+exact target law."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import Sampling, dflash, qwen3
+from specjax.adaptive import Adaptive
+from specjax.drafters import block_logits, write_context
+from specjax.engine import Engine, Speculation
+from specjax.kv import KVCache
+from specjax.proposers import DFlashProposer, NgramProposer, ProposerError
+from specjax.results import GenerationError
+from conftest import hf_tiny, repeating_prompt
+
+SETTINGS = [Sampling(), Sampling(0.8, top_k=40, top_p=0.9), Sampling(), Sampling(1.1, min_p=0.05)]
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """(target, drafter): an 8-layer target and a 1-layer drafter, so that by the cost
+    model's prior a block pass is cheap next to a verify step and the chooser takes it."""
+    folder = tmp_path_factory.mktemp("deep")
+    hf_tiny(folder, seed=5, num_hidden_layers=8, init=0.1)
+    target = specjax.load(folder)
+    drafter = dflash.init(target.config, jax.random.key(1), num_layers=1, block_size=8, target_layer_ids=(3,),
+                          std=0.2)
+    return target, drafter
+
+
+def test_paged_context_and_block_equal_the_single_sequence_drafter(tiny, rng):
+    """Two rows of different lengths whose pages lie shuffled in one pool: context rows
+    written from the target's taps and one block pass give the logits of `draft_block` over
+    a contiguous context cache built by `append_context` (tested against NumPy in
+    test_dflash)."""
+    model = tiny[2]
+    cfg = model.config
+    drafter = dflash.init(cfg, jax.random.key(0), num_layers=2, block_size=16, target_layer_ids=(0, 2), std=0.2)
+    d = drafter.cfg
+    lengths = [37, 90]
+    page, per_row = 16, 8
+    order = rng.permutation(np.arange(1, 2 * per_row + 1))
+    table = order.reshape(2, per_row).astype(np.int32)
+    shape = (d.num_hidden_layers, d.num_key_value_heads, 2 * per_row + 1, page, d.head_dim)
+    fkv = KVCache(jnp.zeros(shape), jnp.zeros(shape), jnp.asarray(table), jnp.zeros(2, jnp.int32), page_size=page)
+    rows = [rng.integers(0, cfg.vocab_size, n + 1).astype(np.int32) for n in lengths]
+    for b, ids in enumerate(rows):  # each row's committed context, written as prefill writes it
+        _, _, taps = qwen3.hidden_states(model.params, cfg, ids[None, :-1], np.arange(len(ids) - 1)[None],
+                                         taps=d.target_layer_ids)
+        written = write_context(drafter.params, d, fkv.replace(page_table=fkv.page_table[b:b + 1]), taps,
+                                jnp.zeros(1, jnp.int32))
+        fkv = fkv.replace(k=written.k, v=written.v)
+    last = jnp.array([ids[-1] for ids in rows])
+    got, _ = block_logits(drafter.params, d, fkv, model.params, cfg, last, jnp.array(lengths), k=15)
+    for b, ids in enumerate(rows):
+        n = lengths[b]
+        _, _, taps = qwen3.hidden_states(model.params, cfg, ids[None, :-1], np.arange(n)[None],
+                                         taps=d.target_layer_ids)
+        cache = dflash.append_context(drafter.params, d, dflash.init_cache(d, 256), taps[:, 0], n, np.arange(n))
+        want = dflash.draft_block(drafter.params, d, cache, model.params, cfg, ids[-1], n, k=15)
+        np.testing.assert_allclose(np.asarray(got[b]), np.asarray(want), atol=1e-4, rtol=1e-4)
+
+
+def _prompts(rng, vocab):
+    return [repeating_prompt(rng, vocab, period=6), rng.integers(0, vocab, 11), rng.integers(0, vocab, 140),
+            repeating_prompt(rng, vocab, period=9)]
+
+
+@pytest.mark.parametrize("kind", ["dflash", "adaptive"])
+def test_rows_with_dflash_drafts_equal_their_plain_run_alone(deep, rng, kind):
+    """Greedy and sampled rows in one batch, with DFlash alone (fixed k) or chosen per row
+    and round against prompt lookup: each row's tokens are its plain run's alone."""
+    target, drafter = deep
+    prompts = _prompts(rng, target.config.vocab_size)
+    seeds = [int(s) for s in rng.integers(0, 1 << 30, len(prompts))]
+    news = [40, 25, 33, 48]
+    alone = [specjax.generate(target, p, max_new_tokens=n, sampling=s, seed=sd, stop_ids=()).tokens
+             for p, n, s, sd in zip(prompts, news, SETTINGS, seeds)]
+    spec = DFlashProposer(drafter, k=7)
+    if kind == "adaptive":
+        spec = Adaptive(NgramProposer(k=7), spec)
+    got = specjax.generate(target, prompts, max_new_tokens=news, sampling=SETTINGS, seed=seeds, stop_ids=(),
+                           speculative=spec)
+    assert [g.tokens for g in got] == alone
+    sources = {p for g in got for p, _ in g.stats.choices}
+    assert "dflash" in sources
+    if kind == "adaptive":
+        assert "lookup" in sources
+    # one prompt alone on the engine, too
+    one = specjax.generate(target, prompts[1], max_new_tokens=news[1], sampling=SETTINGS[1], seed=seeds[1],
+                           stop_ids=(), speculative=spec)
+    assert one.tokens == alone[1]
+
+
+def test_rows_that_may_not_take_dflash_drafts_never_get_them(deep, rng):
+    target, drafter = deep
+    prompts = _prompts(rng, target.config.vocab_size)
+    engine = Engine(target, Speculation(k=7, adaptive=False), dflash=drafter, max_batch=4, max_len=256)
+    reqs = [engine.submit(p, max_new_tokens=20, stop_ids=(), dflash=i % 2 == 0) for i, p in enumerate(prompts)]
+    engine.run()
+    for i, r in enumerate(reqs):
+        sources = {p for p, _ in r.stats.choices} - {None}
+        assert sources <= ({"dflash"} if i % 2 == 0 else {"lookup"})
+        assert r.tokens == specjax.generate(target, prompts[i], max_new_tokens=20, stop_ids=()).tokens
+
+
+def test_sampled_dflash_drafts_follow_the_target_distribution(tmp_path_factory):
+    """Chi-square of tokens 2-3 (2 sampled DFlash drafts per step, batches of 12 rows)
+    against the exact target law."""
+    from test_speculative import assert_follows, sampled_draft_case
+
+    target, _, s, ids, exact = sampled_draft_case(tmp_path_factory)
+    drafter = dflash.init(target.config, jax.random.key(2), num_layers=1, block_size=4, std=0.3)
+    engine = Engine(target, Speculation(k=2, adaptive=False), dflash=drafter, sample_drafts=True, max_batch=12,
+                    max_len=64)
+    counts = np.zeros_like(exact)
+    accepted = 0
+    calls = 200
+    for call in range(calls):
+        reqs = [engine.submit(ids, max_new_tokens=4, sampling=s, seed=call * 12 + j, stop_ids=(), lookup=False)
+                for j in range(12)]
+        engine.run()
+        for r in reqs:
+            counts[r.tokens[1], r.tokens[2]] += 1
+            accepted += r.stats.accepted
+    n = calls * 12
+    assert 0 < accepted < 2 * n  # both the accept and the residual paths ran
+    assert_follows(counts, exact)
+
+
+def test_bad_drafters_are_refused(tiny, deep):
+    target, drafter = deep
+    with pytest.raises(ProposerError, match="does not fit the target"):
+        Engine(tiny[2], 7, dflash=drafter)
+    with pytest.raises(ProposerError, match="is bfloat16, the target float32"):
+        Engine(target, 7, dflash=dataclasses.replace(drafter, dtype=jnp.bfloat16))
+    with pytest.raises(GenerationError, match="needs speculative=k"):
+        Engine(target, None, dflash=drafter)
