@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from . import checkpoint, cpu_kernels
@@ -47,6 +48,7 @@ from .qwen3 import attend_masked, linear, mlp, rms_norm, rope, unembed
 from .sampling import Sampling
 
 ARCHITECTURE = "DFlashDraftModel"
+VOCAB_FILE = "draft_vocab.json"  # {"token_ids": [...]}: a Drafter's vocab, when it has one
 DRAFT_LAYERS = "layers"
 # Newer-code options (dflash.md 1.2) whose non-default values we do not run.
 _DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": 0.0,
@@ -207,12 +209,19 @@ def check_fits(cfg: DFlashConfig, target: Qwen3Config, source: str) -> None:
 
 @dataclasses.dataclass(eq=False)
 class Drafter:
-    """A loaded (or initialised) DFlash drafter; pair it with its target in DFlashProposer."""
+    """A loaded (or initialised) DFlash drafter; pair it with its target in DFlashProposer.
+
+    `vocab`: the draft vocabulary, sorted target token ids that the drafter's head scores
+    (the most frequent ones, as EAGLE-3 does; `train.draft_vocab` picks them), or None for
+    the whole vocabulary. Drafts are only proposals, so it changes their cost, never the
+    output. Saved as draft_vocab.json next to the public files, which load without it.
+    """
 
     params: Params
     cfg: DFlashConfig
     dtype: Any
     path: Path | None = None
+    vocab: np.ndarray | None = None
 
 
 def hf_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
@@ -283,7 +292,27 @@ def load_dflash(path: str | Path, target: Model, dtype: Any = None) -> Drafter:
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(target.dtype)
     params = checkpoint.layers_from_hf(checkpoint.iter_tensors(folder, hf_shapes(cfg), dtype), cfg.layer_config,
                                        DRAFT_LAYERS, transform=checkpoint.packed)
-    return Drafter(params, cfg, dtype, folder)
+    vocab = None
+    if (folder / VOCAB_FILE).is_file():
+        raw = read_json(folder / VOCAB_FILE)
+        vocab = check_vocab(raw.get("token_ids") if isinstance(raw, dict) else None, cfg.vocab_size,
+                            str(folder / VOCAB_FILE))
+    return Drafter(params, cfg, dtype, folder, vocab)
+
+
+def check_vocab(ids: Any, vocab_size: int, source: str) -> np.ndarray:
+    """A draft vocabulary as sorted int32 ids, or DFlashError naming `source`."""
+    if not isinstance(ids, (list, tuple, np.ndarray)) or len(ids) == 0:
+        raise DFlashError(f"{source}: token_ids must be a non-empty list of token ids, got {type(ids).__name__}")
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise DFlashError(f"{source}: token_ids must be a flat list of integers")
+    if arr.min() < 0 or arr.max() >= vocab_size:
+        raise DFlashError(f"{source}: token_ids must lie in [0, {vocab_size}), got {int(arr.min())} .. "
+                          f"{int(arr.max())}")
+    if np.any(np.diff(arr) <= 0):
+        raise DFlashError(f"{source}: token_ids must be sorted and distinct")
+    return arr.astype(np.int32)
 
 
 def save_dflash(path: str | Path, drafter: Drafter, dtype: str = "bfloat16") -> None:
@@ -294,6 +323,10 @@ def save_dflash(path: str | Path, drafter: Drafter, dtype: str = "bfloat16") -> 
     raw["torch_dtype"] = dtype
     (folder / "config.json").write_text(json.dumps(raw, indent=2))
     checkpoint.write_tensors(folder, to_hf(drafter.params, drafter.cfg), dtype)
+    if drafter.vocab is not None:
+        (folder / VOCAB_FILE).write_text(json.dumps({"token_ids": [int(i) for i in drafter.vocab]}))
+    else:
+        (folder / VOCAB_FILE).unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------- forward

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from . import cpu_kernels
 from . import kv as kvlib
 from . import sampling as smp
 from .checkpoint import LAYERS, Params
 from .config import Qwen3Config
 from .dflash import DRAFT_LAYERS, DFlashConfig, context_rows
 from .kv import KVCache
-from .qwen3 import hidden_states, unembed
+from .qwen3 import head_weight, hidden_states, project, unembed
 from .sampling import RowSampling
 
 
@@ -87,10 +89,21 @@ def write_context(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, taps: jax.A
     return fkv.replace(k=k_pool, v=v_pool)
 
 
+Head = tuple[jax.Array | cpu_kernels.Packed, jax.Array]  # (head rows [N, D], their token ids [N])
+
+
+def draft_head(params: Params, cfg: Qwen3Config, vocab: np.ndarray) -> Head:
+    """The target head's rows of a draft vocabulary (packed where the CPU kernel runs) and
+    the vocabulary's ids: what a DFlash block is scored with when the drafter has one."""
+    ids = jnp.asarray(vocab, jnp.int32)
+    return cpu_kernels.pack_tree(cpu_kernels.rows(head_weight(params, cfg), ids)), ids
+
+
 def block_logits(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, params: Params, cfg: Qwen3Config,
-                 last: jax.Array, start: jax.Array, k: int) -> tuple[jax.Array, KVCache]:
+                 last: jax.Array, start: jax.Array, k: int, head: Head | None = None) -> tuple[jax.Array, KVCache]:
     """DFlash draft logits [R, k, V] for the k tokens after each row's `last` (at position
-    start [R]): one pass of the block [last, mask x (B-1)] (module docstring)."""
+    start [R]): one pass of the block [last, mask x (B-1)] (module docstring). With a draft
+    vocabulary's `head`, logits [R, k, N] over its tokens only."""
     b = fcfg.block_size
     tokens = jnp.full((last.shape[0], b), fcfg.mask_token_id, jnp.int32).at[:, 0].set(last)
     positions = start[:, None] + jnp.arange(b)
@@ -99,20 +112,26 @@ def block_logits(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, params: Para
     view = {"model.embed_tokens.weight": params["model.embed_tokens.weight"], LAYERS: fparams[DRAFT_LAYERS],
             "model.norm.weight": fparams["norm.weight"]}
     h, fkv, _ = hidden_states(view, fcfg.layer_config, tokens, positions, fkv, sees=sees)
-    return unembed(params, cfg, h[:, 1:k + 1]), fkv
+    h = h[:, 1:k + 1]
+    return (unembed(params, cfg, h) if head is None else project(head[0], h)), fkv
 
 
 def block_drafts(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, params: Params, cfg: Qwen3Config,
                  last: jax.Array, start: jax.Array, k: int, seeds: jax.Array, rs: RowSampling, sample: jax.Array,
-                 sample_drafts: bool) -> tuple[jax.Array, jax.Array | None, KVCache]:
+                 sample_drafts: bool, head: Head | None = None) -> tuple[jax.Array, jax.Array | None, KVCache]:
     """DFlash drafts [R, k] (argmax per block row, or where `sample` is set one independent
     draw per row from its transformed q, keyed by (seed, DRAFT stream, position)), their
-    log-probs [R, k, V] when drafts may be sampled, and the pools."""
-    logits, fkv = block_logits(fparams, fcfg, fkv, params, cfg, last, start, k)
+    log-probs [R, k, V] when drafts may be sampled, and the pools. With a draft
+    vocabulary's `head`, q is zero outside it."""
+    logits, fkv = block_logits(fparams, fcfg, fkv, params, cfg, last, start, k, head)
     rows = last.shape[0]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if head is not None:
+        greedy = head[1][greedy]
     if not sample_drafts:
         return greedy, None, fkv
+    if head is not None:  # q over the whole vocabulary, for the acceptance rule
+        logits = jnp.full((rows, k, cfg.vocab_size), -jnp.inf, logits.dtype).at[:, :, head[1]].set(logits)
     positions = (start[:, None] + 1 + jnp.arange(k)).reshape(-1)
     keys = jax.vmap(lambda s, p: smp.position_key(s, smp.DRAFT, p))(jnp.repeat(seeds, k), positions)
     logq = smp.transform_rows(logits.reshape(rows * k, -1), rs.repeat(k))

@@ -25,6 +25,7 @@ from . import steps
 from .checkpoint import weight_bytes
 from .costs import StepCosts, block_cost, chain_cost, prior_costs
 from .dflash import Drafter, fit_problems
+from .drafters import draft_head
 from .kv import KVCache
 from .lookup import MAX_NGRAM
 from .results import PREFILL_CHUNK, GenerateResult, GenerationError, Stats, token_ids, validate
@@ -184,10 +185,12 @@ class Engine:
         # the model proposers' prior extra step costs (their weight bytes over the target's)
         target_bytes = weight_bytes(model.params)
         self.model_costs: list[tuple[str, float, int]] = []
+        # a DFlash block is scored by the target's head, or its rows of the draft vocabulary
+        self.fhead = None if dflash is None or dflash.vocab is None else draft_head(model.params, cfg, dflash.vocab)
         if draft is not None:
             self.model_costs.append(("chain", weight_bytes(draft.params) / target_bytes, 0))
         if dflash is not None:
-            head = head_weight(model.params, cfg).nbytes
+            head = (head_weight(model.params, cfg) if self.fhead is None else self.fhead[0]).nbytes
             self.model_costs.append(("block", (weight_bytes(dflash.params) + head) / target_bytes,
                                      dflash.cfg.block_size))
         self.max_batch, self.page_size, self.n_rounds = max_batch, page_size, rounds
@@ -466,7 +469,8 @@ class Engine:
             jnp.asarray(stops), jnp.asarray(row_k), jnp.asarray(use), state,
             jnp.asarray(costs.ratios().reshape(groups, -1), jnp.float32), jnp.asarray(seeds),
             RowSampling.of(settings), None if d is None else d.params, dkv,
-            given=None if given is None else tuple(map(jnp.asarray, given)), **self._dflash_args(table),
+            fhead=self.fhead, given=None if given is None else tuple(map(jnp.asarray, given)),
+            **self._dflash_args(table),
             dcfg=None if d is None else d.config, k=self.compiled_k,
             max_ngram=self.spec.max_ngram, min_ngram=self.spec.min_ngram, n_rounds=n_rounds, sampled=sampled,
             sample_drafts=self.sample_drafts, adaptive=self.spec.adaptive)

@@ -187,7 +187,11 @@ def head_weight(params: Params, cfg: Qwen3Config) -> jax.Array | cpu_kernels.Pac
 
 def unembed(params: Params, cfg: Qwen3Config, h: jax.Array) -> jax.Array:
     """Logits in float32 from final hidden states."""
-    w = head_weight(params, cfg)
+    return project(head_weight(params, cfg), h)
+
+
+def project(w: jax.Array | cpu_kernels.Packed, h: jax.Array) -> jax.Array:
+    """Logits in float32 of hidden states h [..., D] against a head weight w [V, D]."""
     if isinstance(w, cpu_kernels.Packed):
         return cpu_kernels.matmul(h, w)
     return jax.lax.dot_general(h, w, (((h.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)

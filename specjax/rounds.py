@@ -38,7 +38,7 @@ from . import steps
 from .checkpoint import Params
 from .config import Qwen3Config
 from .dflash import DFlashConfig
-from .drafters import block_drafts, chain, draft_token, feed, write_context
+from .drafters import Head, block_drafts, chain, draft_token, feed, write_context
 from .kv import KVCache
 from .lookup import ACCEPT_DECAY, PRIOR_ACCEPT, PSEUDO, expected_tokens, find
 from .qwen3 import hidden_states, unembed
@@ -117,7 +117,7 @@ def _score(state: dict, column: jax.Array, drafts: jax.Array, n: jax.Array, out:
 def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, size: jax.Array,
            budget: jax.Array, stops: jax.Array, row_k: jax.Array, use: jax.Array, state: dict, costs: jax.Array,
            seeds: jax.Array, rs: RowSampling, dparams: Params | None = None, dkv: KVCache | None = None,
-           fparams: Params | None = None, fkv: KVCache | None = None,
+           fparams: Params | None = None, fkv: KVCache | None = None, fhead: Head | None = None,
            given: tuple[jax.Array, jax.Array] | None = None, *,
            dcfg: Qwen3Config | None = None, fcfg: DFlashConfig | None = None, k: int, max_ngram: int,
            min_ngram: int, n_rounds: int, sampled: bool, sample_drafts: bool = False, adaptive: bool = True):
@@ -136,7 +136,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     draft model's chain, then DFlash's block pass); seeds [R]; rs: per-row sampling. With
     a draft model (dparams, dcfg): dkv its cache over the same page table, dkv.lengths the
     committed tokens it holds (at most size). With a DFlash drafter (fparams, fcfg): fkv its
-    context pools over the same page table (its lengths unused). sample_drafts: rows with
+    context pools over the same page table (its lengths unused), fhead the head of its
+    draft vocabulary (`drafters.draft_head`) or None for the whole vocabulary. sample_drafts: rows with
     temperature > 0 sample the models' drafts. adaptive False: every row drafts in full,
     from a model where it may use one (a fixed-k baseline for the chooser).
     Returns (log, nan flag, cache, draft cache, DFlash pools, state); log holds "tokens"
@@ -187,7 +188,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
 
     def block(fkv, last, start):
         drafts, logq, fkv = block_drafts(fparams, fcfg, fkv, params, cfg, last, start, fk, seeds, rs, drawn,
-                                         sample_drafts)
+                                         sample_drafts, fhead)
         return (drafts, logq), fkv
 
     def no_block(fkv, last, start):

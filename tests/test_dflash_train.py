@@ -270,3 +270,24 @@ def test_init_starts_from_a_saved_drafter(cyclic, data, tmp_path):
     other = _cfg(target).__class__(**{**dataclasses.asdict(cfg), "block_size": 4})
     with pytest.raises(ValueError, match="--init drafter differs"):
         trainer.train(target, other, tc, data, tmp_path / "run2", init=tmp_path / "saved")
+
+
+def test_draft_vocabulary_is_the_most_frequent_tokens(rng):
+    """train.draft_vocab against collections.Counter over the same token stream."""
+    from collections import Counter
+
+    from train.draft_vocab import coverage, most_frequent, token_counts
+
+    class Chars:  # a tokenizer of one id per character
+        def __call__(self, text):
+            return {"input_ids": [ord(c) - 97 for c in text]}
+
+    docs = ["".join(rng.choice(list("abcdefghij"), int(rng.integers(5, 40)), p=np.arange(10, 0, -1) / 55))
+            for _ in range(50)]
+    counts = token_counts(Chars(), docs, 26, 10 ** 6, "test")
+    want = Counter(c for d in docs for c in d)
+    assert {chr(97 + i): int(n) for i, n in enumerate(counts) if n} == dict(want)
+    top = [ord(c) - 97 for c, _ in sorted(want.items(), key=lambda kv: (-kv[1], kv[0]))[:4]]
+    ids = most_frequent(counts, 4, always=(25,))
+    assert ids.tolist() == sorted(top + [25])
+    assert coverage(counts, ids) == sum(want[chr(97 + i)] for i in top) / sum(want.values())
