@@ -1,4 +1,4 @@
-"""`specjax` command line: generate (streaming) and bench."""
+"""`specjax` command line: generate (streaming), bench and serve (an OpenAI-compatible server)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
 def _k_or_auto(text: str) -> int | str:
     return "auto" if text == "auto" else _positive(text)
 
@@ -39,6 +46,21 @@ def _sibling(model: Path, suffix: str) -> Path | None:
     """checkpoints/<name>-<suffix> next to a model folder, if it is there."""
     path = model.parent / f"{model.name}-{suffix}"
     return path if path.is_dir() else None
+
+
+def _add_speculation(p) -> None:
+    """The proposer flags of generate and serve."""
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--speculate", type=_k_or_auto, metavar="K|auto",
+                      help="n-gram (prompt lookup) drafts of up to K tokens (auto: 15), k chosen per step")
+    spec.add_argument("--draft", type=Path, metavar="DIR", help="draft model folder (same vocabulary)")
+    spec.add_argument("--draft-k", type=_k_or_auto, default=4, metavar="K|auto",
+                      help="draft model tokens per step; auto: adaptive k")
+    spec.add_argument("--dflash", type=Path, metavar="DIR", help="DFlash drafter folder for this target")
+    spec.add_argument("--dflash-k", type=_k_or_auto, default=None, metavar="K|auto",
+                      help="DFlash drafts per step (default: block_size - 1, at most 15); auto: adaptive k")
+    spec.add_argument("--sample-drafts", action="store_true",
+                      help="sample draft-model / DFlash tokens (general acceptance rule)")
 
 
 def _add_generate(sub) -> None:
@@ -59,17 +81,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    spec = p.add_argument_group("speculative decoding")
-    spec.add_argument("--speculate", type=_k_or_auto, metavar="K|auto",
-                      help="n-gram (prompt lookup) drafts of up to K tokens (auto: 15), k chosen per step")
-    spec.add_argument("--draft", type=Path, metavar="DIR", help="draft model folder (same vocabulary)")
-    spec.add_argument("--draft-k", type=_k_or_auto, default=4, metavar="K|auto",
-                      help="draft model tokens per step; auto: adaptive k")
-    spec.add_argument("--dflash", type=Path, metavar="DIR", help="DFlash drafter folder for this target")
-    spec.add_argument("--dflash-k", type=_k_or_auto, default=None, metavar="K|auto",
-                      help="DFlash drafts per step (default: block_size - 1, at most 15); auto: adaptive k")
-    spec.add_argument("--sample-drafts", action="store_true",
-                      help="sample draft-model / DFlash tokens (general acceptance rule)")
+    _add_speculation(p)
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the short warm-up generation that compiles the steps before the timed run")
     p.add_argument("--devices", type=_positive, default=1, metavar="N",
@@ -99,11 +111,37 @@ def _add_bench(sub) -> None:
                         "per-request tokens/s, time to first token, inter-token latency")
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the batched engine")
+    p.add_argument("--model", type=Path, default=None, help="HF Qwen3 folder (default: checkpoints/tiny-code)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model's name in the API (default: the model folder's name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_port, default=8000, help="0: any free port (the address is printed)")
+    p.add_argument("--max-batch", type=_positive, default=8, metavar="N", help="rows (requests) decoding at once")
+    p.add_argument("--max-len", type=_positive, default=None, metavar="N",
+                   help="tokens of one sequence, prompt and completion (default: the model's context, "
+                        "at most 4096)")
+    p.add_argument("--rounds", type=_positive, default=None, metavar="R",
+                   help="speculative rounds per device call (default 16); requests join between calls, so "
+                        "fewer rounds shorten the time to first token at some cost in throughput")
+    _add_speculation(p)
+    p.add_argument("--no-speculate", action="store_true",
+                   help="plain decoding (default: what generate does: prompt lookup, and off CPU also the "
+                        "model's shipped -draft / -dflash siblings)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="start without compiling every step first (the first requests compile them)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM / SIGINT, seconds running requests may take to finish before they are "
+                        "cancelled")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specjax", description="Lossless speculative decoding for Qwen3 in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_bench(sub)
+    _add_serve(sub)
     return parser
 
 
@@ -372,6 +410,34 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    """Load the model, build the engine the flags ask for and serve it (specjax.server)."""
+    from .engine import Engine, engine_options
+    from .model import load
+
+    folder = args.model or default_model()
+    try:
+        from . import server
+    except ImportError as e:  # starlette, uvicorn or prometheus_client missing
+        raise UsageError(f"serve needs the server's packages: pip install 'specjax[serve]' ({e})") from None
+    try:
+        sock = server.bind(args.host, args.port)
+    except OSError as e:
+        raise UsageError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})") from None
+    with sock:
+        model = load(folder)
+        if model.tokenizer is None:
+            raise UsageError(f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json); serving needs "
+                             "one")
+        options, per_request = engine_options(_proposer(args, model))
+        if args.rounds is not None:
+            options["rounds"] = args.rounds
+        engine = Engine(model, **options, max_batch=args.max_batch, max_len=args.max_len)
+        server.serve(engine, args.served_model_name or folder.resolve().name, sock, per_request,
+                     warmup=not args.no_warmup, shutdown_timeout=args.shutdown_timeout)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
@@ -389,6 +455,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "serve":
+            return _serve(args)
     except (CheckpointError, ConfigError, GenerationError, PoolError, ProposerError, PromptError, SamplingError,
             ShardingError, UsageError) as e:
         parser.exit(2, f"specjax: error: {e}\n")

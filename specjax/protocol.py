@@ -1,0 +1,318 @@
+"""The OpenAI API as `specjax serve` speaks it: request bodies checked field by field into
+engine submissions, and the JSON of responses and stream chunks.
+
+Fields follow OpenAI's completions and chat completions APIs, plus vLLM's extra sampling
+fields (`top_k`, `min_p`, `stop_token_ids`, `ignore_eos`). Defaults are OpenAI's
+(temperature 1); `max_tokens` defaults to the rest of the context, as in vLLM. A field
+this server does not implement (logprobs, penalties, tools, ...) is refused with a 400
+naming it unless it has its neutral value, and so is a field it does not know: nothing
+asked for is silently dropped. `n` choices of a prompt are n engine requests with seeds
+seed, seed + 1, ..., seed + n - 1 (without a seed, a random one), so each choice is
+reproducible alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+import uuid
+from typing import Any
+
+from .sampling import Sampling, SamplingError
+from .serving import Submission
+
+MAX_N = 64  # choices per request
+SEEDS = 2 ** 32
+
+# fields accepted only with their neutral values (null always is)
+NEUTRAL: dict[str, tuple] = {
+    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "best_of": (1,),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+    "min_tokens": (0,), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "response_format": ({"type": "text"},), "use_beam_search": (False,), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+}
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                     "safety_identifier"})  # bookkeeping fields with no effect on the output
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+COMMON = frozenset({"model", "max_tokens", "n", "seed", "stop", "stop_token_ids", "ignore_eos", "stream",
+                    "stream_options", *SAMPLING_FIELDS})
+COMPLETION_FIELDS = COMMON | {"prompt"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
+
+
+class RequestError(ValueError):
+    """A request this server cannot serve: HTTP `status` with an OpenAI-style error body
+    naming the field (`param`)."""
+
+    def __init__(self, message: str, param: str | None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": None}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What requests are checked against: the served model's name, tokenizer, vocabulary
+    and eos ids, and the engine's max_len (prompt + new tokens of one sequence)."""
+
+    name: str
+    tokenizer: Any
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    max_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A checked request: its prompts and one submission per choice, prompt-major (choice
+    i is prompt i // n), and how to answer."""
+
+    chat: bool
+    prompts: list[list[int]]
+    submissions: list[Submission]
+    stops: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+# ------------------------------------------------------------------ field checks
+
+def _integer(body: dict, name: str, default: Any, low: int, high: int | None = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise RequestError(f"{name} must be an integer {bound}, got {value!r}", name)
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestError(f"{name} must be a number, got {value!r}", name)
+    return float(value)
+
+
+def _boolean(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+def _token_list(value: Any, name: str, vocab: int) -> list[int] | None:
+    """value as token ids in [0, vocab), or None if it is not a list of integers."""
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return None
+    bad = [t for t in value if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"{name}: token ids must be in [0, {vocab}), got {bad[0]}", name)
+    return value
+
+
+def _check_fields(body: Any, known: frozenset[str]) -> dict:
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}", None)
+    for name, value in body.items():
+        if name in known or name in IGNORED or value is None:
+            continue
+        if name in NEUTRAL:
+            if value not in NEUTRAL[name]:
+                raise RequestError(f"{name} is not supported by this server (got {value!r})", name)
+            continue
+        raise RequestError(f"unknown field {name!r}", name)
+    return body
+
+
+def _model(body: dict, served: Served) -> None:
+    model = body.get("model")
+    if model is not None and model != served.name:
+        raise RequestError(f"model {model!r} is not served here; this server serves {served.name!r}", "model")
+
+
+def _sampling(body: dict) -> Sampling:
+    """Sampling from the request; each field is checked by `Sampling` as it is added, so an
+    error names the field that failed (Sampling's checks are per field)."""
+    values = {"temperature": _number(body, "temperature", 1.0), "top_p": _number(body, "top_p", 1.0),
+              "min_p": _number(body, "min_p", 0.0)}
+    top_k = _integer(body, "top_k", 0, -1)
+    values["top_k"] = 0 if top_k == -1 else top_k  # vLLM's -1: no top-k
+    given: dict[str, Any] = {}
+    for name in SAMPLING_FIELDS:
+        given[name] = values[name]
+        try:
+            Sampling(**given)
+        except SamplingError as e:
+            raise RequestError(str(e), name) from None
+    return Sampling(**given)
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(f"stop must be a non-empty string or a list of them, got {stop!r}", "stop")
+    return tuple(stops)
+
+
+def _text_ids(text: str, served: Served, param: str) -> list[int]:
+    ids = list(served.tokenizer(text)["input_ids"])
+    if not ids:
+        raise RequestError(f"{param}: the prompt is empty (it tokenizes to no tokens)", param)
+    return ids
+
+
+def _prompts(body: dict, served: Served) -> list[list[int]]:
+    """OpenAI's prompt forms: text, token ids, a list of texts or a list of token-id lists."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [_text_ids(prompt, served, "prompt")]
+    if isinstance(prompt, list) and prompt:
+        if (ids := _token_list(prompt, "prompt", served.vocab_size)) is not None:
+            return [ids]
+        if all(isinstance(p, str) for p in prompt):
+            return [_text_ids(p, served, "prompt") for p in prompt]
+        lists = [_token_list(p, "prompt", served.vocab_size) for p in prompt]
+        if all(ids for ids in lists):
+            return lists
+    raise RequestError("prompt must be a non-empty string, list of token ids, list of strings or list of "
+                       f"token-id lists, got {prompt!r:.80}", "prompt")
+
+
+def _content(message: Any, at: int) -> dict[str, str]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise RequestError(f"messages[{at}] must be an object with a role, got {message!r:.80}", "messages")
+    content = message.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)  # text parts; other kinds (images) are not served
+    if not isinstance(content, str):
+        raise RequestError(f"messages[{at}].content must be a string or a list of text parts, "
+                           f"got {content!r:.80}", "messages")
+    return {"role": message["role"], "content": content}
+
+
+def _chat_prompt(body: dict, served: Served) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(f"messages must be a non-empty list, got {messages!r:.80}", "messages")
+    if served.tokenizer.chat_template is None:
+        raise RequestError(f"model {served.name!r} has no chat template, so messages cannot be formatted; "
+                           "use /v1/completions with a prompt", "messages")
+    messages = [_content(m, i) for i, m in enumerate(messages)]
+    try:
+        ids = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False)
+    except Exception as e:  # the template's own error (jinja raises several kinds)
+        raise RequestError(f"messages: the chat template failed: {e}", "messages") from None
+    if not ids:
+        raise RequestError("messages: the chat template made an empty prompt", "messages")
+    return list(ids)
+
+
+# ------------------------------------------------------------------ requests
+
+def _plan(body: dict, served: Served, prompts: list[list[int]], chat: bool) -> Plan:
+    prompt_param = "messages" if chat else "prompt"
+    tokens_param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    if tokens_param == "max_completion_tokens" and body.get("max_tokens") is not None:
+        raise RequestError("give max_completion_tokens or max_tokens, not both", "max_tokens")
+    asked = _integer(body, tokens_param, None, 1)
+    sampling = _sampling(body)
+    n = _integer(body, "n", 1, 1, MAX_N)
+    seed = _integer(body, "seed", None, 0, SEEDS - 1)
+    seed = secrets.randbelow(SEEDS) if seed is None else seed
+    stop_ids = body.get("stop_token_ids")
+    extra = [] if stop_ids is None else _token_list(stop_ids, "stop_token_ids", served.vocab_size)
+    if extra is None:
+        raise RequestError(f"stop_token_ids must be a list of token ids, got {stop_ids!r:.80}", "stop_token_ids")
+    stops = () if _boolean(body, "ignore_eos") else served.eos_ids
+    stop_set = tuple(sorted(set(stops) | set(extra)))
+    stream = _boolean(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)
+                                or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        raise RequestError("stream_options must be {\"include_usage\": true|false}, and only with stream: true",
+                           "stream_options")
+    submissions = []
+    for ids in prompts:
+        room = served.max_len - len(ids)
+        if room < 1:
+            raise RequestError(f"{prompt_param}: the prompt is {len(ids)} tokens; this server's context is "
+                               f"{served.max_len} tokens (prompt and completion), so at most "
+                               f"{served.max_len - 1} prompt tokens", prompt_param)
+        if asked is not None and asked > room:
+            raise RequestError(f"{tokens_param} = {asked} with a prompt of {len(ids)} tokens exceeds this server's "
+                               f"context of {served.max_len} tokens: at most {room}", tokens_param)
+        for j in range(n):
+            submissions.append(Submission(ids, room if asked is None else asked, sampling, (seed + j) % SEEDS,
+                                          stop_set))
+    return Plan(chat, prompts, submissions, _stops(body), stream,
+                bool(options and options.get("include_usage")))
+
+
+def completion_plan(body: Any, served: Served) -> Plan:
+    """A /v1/completions body, checked."""
+    body = _check_fields(body, COMPLETION_FIELDS)
+    _model(body, served)
+    return _plan(body, served, _prompts(body, served), chat=False)
+
+
+def chat_plan(body: Any, served: Served) -> Plan:
+    """A /v1/chat/completions body, checked."""
+    body = _check_fields(body, CHAT_FIELDS)
+    _model(body, served)
+    return _plan(body, served, [_chat_prompt(body, served)], chat=True)
+
+
+# ------------------------------------------------------------------ responses
+
+class Reply:
+    """The JSON of one request's response or stream chunks (id, created and model fixed)."""
+
+    def __init__(self, plan: Plan, model: str):
+        self.chat, self.model = plan.chat, model
+        self.id = f"{'chatcmpl' if plan.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.object = "chat.completion" if plan.chat else "text_completion"
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def choice(self, index: int, text: str, finish: str | None, delta: bool = False,
+               first: bool = False) -> dict[str, Any]:
+        if not self.chat:
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        if not delta:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": finish}
+        message = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": index, "delta": message, "logprobs": None, "finish_reason": finish}
+
+    def response(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._head(self.object), "choices": choices, "usage": usage}
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
+              with_usage: bool = False) -> dict[str, Any]:
+        body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": choices}
+        if with_usage:  # OpenAI: every chunk has usage (null) when the last one carries it
+            body["usage"] = usage
+        return body
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,252 @@
+"""`specjax serve`: an OpenAI-compatible HTTP server (Starlette on uvicorn) over one batched
+`Engine`, which a dedicated thread owns (`specjax.serving`).
+
+Routes: POST /v1/completions and /v1/chat/completions (JSON, or server-sent events with
+`stream`), GET /v1/models, /health and /metrics (Prometheus text, `specjax.metrics`).
+A request's choices go to the engine thread as one ticket; their tokens come back as
+events on this loop, become text (`specjax.textstream`) and are answered at the end or
+streamed as they arrive. A client that goes away (mid-stream or while waiting) cancels its
+requests, so their pages return to the pool. On shutdown uvicorn stops accepting, lets
+running requests finish for the graceful-shutdown timeout, then cancels them; the
+lifespan's end stops the engine thread, cancelling whatever is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import prometheus_client
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .engine import Engine
+from .metrics import ServerMetrics
+from .pages import PoolError
+from .protocol import Plan, Reply, RequestError, Served, chat_plan, completion_plan, usage
+from .serving import EngineWorker, Failed, Refused, ShuttingDown, Ticket, Tokens
+from .textstream import TextStream
+
+
+class EngineFailure(RuntimeError):
+    """The engine failed while generating a choice."""
+
+
+class _Run:
+    """One HTTP request's choices in the engine: the ticket, the events its callback puts
+    on this loop, and each choice's text and finish reason."""
+
+    def __init__(self, plan: Plan, served: Served, worker: EngineWorker):
+        loop = asyncio.get_running_loop()
+        self.plan, self.worker = plan, worker
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.ticket = Ticket(plan.submissions, lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event))
+        self.texts = [TextStream(served.tokenizer, plan.stops, s.stop_ids) for s in plan.submissions]
+        self.finish: list[str | None] = [None] * len(plan.submissions)
+
+    async def admit(self) -> None:
+        """Submit every choice; a refusal is the client's error, naming the field."""
+        try:
+            self.worker.submit(self.ticket)
+        except ShuttingDown as e:
+            raise RequestError(str(e), None, status=503) from None
+        try:
+            event = await self.events.get()
+        except asyncio.CancelledError:  # the server stops before the engine took it
+            self.worker.cancel(self.ticket)
+            raise
+        if isinstance(event, Refused):
+            # the fields were checked first; what the engine still refuses is the size of a
+            # sequence (PoolError) or the prompt's ids (GenerationError)
+            param = "max_tokens" if isinstance(event.error, PoolError) else "prompt"
+            raise RequestError(str(event.error), param)
+        if isinstance(event, Failed):
+            raise RequestError(f"the engine failed to take the request: {event.message}", None, status=500)
+
+    @property
+    def open(self) -> bool:
+        return any(f is None for f in self.finish)
+
+    async def next(self) -> tuple[int, str, str | None] | None:
+        """The next event as (choice, new text, finish reason once it is over); None for an
+        event about a choice that already ended (a stop string ended it first)."""
+        event = await self.events.get()
+        if isinstance(event, Failed):
+            self.finish[event.index] = "error"
+            raise EngineFailure(event.message)
+        assert isinstance(event, Tokens), event
+        i = event.index
+        if self.finish[i] is not None:
+            return None
+        text = self.texts[i].add(event.tokens, final=event.finish is not None)
+        if self.texts[i].stopped:
+            if event.finish is None:
+                self.worker.cancel(self.ticket, i, reason="stop")
+            self.finish[i] = "stop"
+        else:
+            self.finish[i] = event.finish
+        return i, text, self.finish[i]
+
+    def cancel(self) -> None:
+        """Cancel the choices still running (the client went away, or the server stops)."""
+        if self.open:
+            self.worker.cancel(self.ticket)
+
+    def usage(self) -> dict[str, int]:
+        return usage(sum(len(p) for p in self.plan.prompts), sum(t.tokens_used for t in self.texts))
+
+
+def _sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the body has been read: what is left is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, or bytes that are not text
+        raise RequestError(f"the request body is not valid JSON: {e}", None) from None
+
+
+def create_app(engine: Engine, name: str, per_request: dict | None = None) -> Starlette:
+    """The server's ASGI app for `engine`, serving its model under `name`; per_request are
+    extra `Engine.submit` keywords (from `engine_options`). The engine thread starts and
+    stops with the app's lifespan."""
+    model = engine.model
+    if model.tokenizer is None:
+        raise ValueError(f"{model.path}: serving needs the model's tokenizer (tokenizer.json)")
+    served = Served(name, model.tokenizer, model.config.vocab_size, tuple(model.eos_ids), engine.max_len)
+    metrics = ServerMetrics(name)
+    worker = EngineWorker(engine, metrics, per_request)
+
+    async def generate(request: Request, parse: Callable[[Any, Served], Plan]) -> Response:
+        plan = parse(await _body(request), served)
+        run = _Run(plan, served, worker)
+        await run.admit()
+        reply = Reply(plan, name)
+        if plan.stream:
+            return StreamingResponse(stream(run, reply), media_type="text/event-stream")
+        return await complete(run, reply, request)
+
+    async def complete(run: _Run, reply: Reply, request: Request) -> Response:
+        async def collect() -> None:
+            while run.open:
+                await run.next()
+
+        work, gone = asyncio.create_task(collect()), asyncio.create_task(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client left: nobody reads the answer
+                return Response(status_code=499)
+            work.result()
+        except EngineFailure as e:
+            raise RequestError(f"generation failed: {e}", None, status=500) from None
+        finally:
+            work.cancel()
+            gone.cancel()
+            run.cancel()
+        choices = [reply.choice(i, text.sent, finish) for i, (text, finish) in enumerate(zip(run.texts, run.finish))]
+        return JSONResponse(reply.response(choices, run.usage()))
+
+    async def stream(run: _Run, reply: Reply) -> AsyncIterator[str]:
+        with_usage = run.plan.include_usage
+        try:
+            if run.plan.chat:  # OpenAI's first chunk of each choice names the role
+                for i in range(len(run.finish)):
+                    yield _sse(reply.chunk([reply.choice(i, "", None, delta=True, first=True)], None, with_usage))
+            while run.open:
+                got = await run.next()
+                if got is not None and (got[1] or got[2] is not None):
+                    yield _sse(reply.chunk([reply.choice(*got, delta=True)], None, with_usage))
+            if with_usage:
+                yield _sse(reply.chunk([], run.usage(), True))
+        except EngineFailure as e:
+            yield _sse(RequestError(f"generation failed: {e}", None, status=500).body())
+        finally:  # also when the client went away: Starlette cancels this generator then
+            run.cancel()
+        yield _sse("[DONE]")
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, completion_plan)
+
+    async def chat(request: Request) -> Response:
+        return await generate(request, chat_plan)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "specjax", "max_model_len": engine.max_len}]})
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200 if worker.alive else 503)
+
+    async def metrics_text(request: Request) -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def request_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestError)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    created = int(time.time())
+    routes = [Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics_text, methods=["GET"])]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={RequestError: request_error})
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (bound before the engine compiles, so a busy port is
+    an error at once)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    return sock
+
+
+def serve(engine: Engine, name: str, sock: socket.socket, per_request: dict | None = None, *,
+          warmup: bool = True, shutdown_timeout: float = 30.0) -> None:
+    """Serve until SIGINT / SIGTERM on a socket from `bind`; with `warmup`, every step the
+    engine may run is compiled first, so no request waits on a compilation."""
+    if warmup:
+        print(f"compiling the engine's steps ({engine.max_batch} rows, max_len {engine.max_len}) ...",
+              file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        engine.compile()
+        print(f"compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    prometheus_client.disable_created_metrics()  # `_created` samples would double the exposition
+    app = create_app(engine, name, per_request)
+    host, port = sock.getsockname()[:2]
+    print(f"serving {name!r} at http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout,
+                            log_level="info")
+    uvicorn.Server(config).run(sockets=[sock])

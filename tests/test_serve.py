@@ -1,0 +1,393 @@
+"""`specjax serve`: a real server on 127.0.0.1 driven by the official openai client. Every
+completion is checked against the same prompt generated alone by `specjax.generate` with
+plain decoding (lossless speculation makes them equal), never against the server itself."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
+
+import specjax
+from specjax import Sampling
+from specjax.cli import main
+from specjax.engine import Engine, Speculation
+from specjax.metrics import ServerMetrics
+from specjax.server import bind, create_app
+from specjax.textstream import TextStream
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "checkpoints" / "tiny-code"
+NAME = "tiny-code-chat"
+MAX_LEN = 256
+# a template of the tests' own, rendered again by hand below (the shipped model has none)
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+PROMPTS = ["def fibonacci(n):", "class Stack:\n", "import os\n\ndef walk(path):", "def add(a, b):\n    return",
+           "for i in range(10):\n", "class Queue:\n    def __init__(self):\n", "def parse(text):\n    \"\"\"",
+           "try:\n    import json\nexcept ImportError:"]
+
+
+@contextlib.contextmanager
+def running(app):
+    """The app on a free port of 127.0.0.1, served by uvicorn in a thread."""
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+        assert not thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """The shipped tiny-code with a chat template added to its tokenizer."""
+    root = tmp_path_factory.mktemp("served") / NAME
+    shutil.copytree(SHIPPED, root)
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    (root / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def model(folder):
+    return specjax.load(folder)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(folder):
+    """The tests' own tokenizer (the server's is the model's)."""
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+@pytest.fixture(scope="module")
+def url(model):
+    # prompt lookup (k chosen per round) as `serve` runs it, at the fewest compiles: k = 1,
+    # two rows (each row count and each of greedy / sampled is one compile of ~4-9 s), and
+    # a pool the size of the references' one-row engine, so their prefill serves it too
+    pages = Engine(model, None, max_batch=1, max_len=MAX_LEN).pages.n_pages
+    engine = Engine(model, Speculation(k=1), max_batch=2, max_len=MAX_LEN, num_pages=pages)
+    with running(create_app(engine, NAME)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def alone(model, tokenizer, ids, max_tokens, *, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=None):
+    """(text, token count, finish reason) of the prompt generated alone by plain decoding."""
+    res = specjax.generate(model, ids, max_new_tokens=max_tokens, sampling=Sampling(temperature, top_k, top_p),
+                           seed=seed, stop_ids=stop_ids)
+    tokens = res.tokens[:-1] if res.stopped else res.tokens
+    return tokenizer.decode(tokens, skip_special_tokens=True), len(res.tokens), "stop" if res.stopped else "length"
+
+
+def ids_of(tokenizer, text):
+    return tokenizer(text)["input_ids"]
+
+
+def metrics(url) -> dict[tuple[str, tuple], float]:
+    """/metrics as {(sample name, labels without model_name): value}."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def test_greedy_completion_and_stream_equal_generate(client, url, model, tokenizer):
+    ids = ids_of(tokenizer, PROMPTS[0])
+    text, count, finish = alone(model, tokenizer, ids, 48)
+    before = metrics(url)
+    got = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=48, temperature=0)
+    assert got.choices[0].text == text and got.choices[0].finish_reason == finish
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), count)
+    assert got.usage.total_tokens == len(ids) + count
+    after = metrics(url)
+    generated = ("specjax:generation_tokens_total", ())
+    assert after[generated] - before[generated] == count
+    # the prompt as token ids
+    assert client.completions.create(model=NAME, prompt=ids, max_tokens=48, temperature=0).choices[0].text == text
+    # streamed: the chunks add up to the same text, the last one says why it ended, then usage
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=48, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
+    assert len(chunks) > 2 and not chunks[-1].choices and chunks[-1].usage.completion_tokens == count
+    models = client.models.list().data
+    assert [m.id for m in models] == [NAME]
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_chat_applies_the_template(client, model, tokenizer):
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    rendered = "<|system|>\nYou write Python.\n<|user|>\ndef add(a, b):\n<|assistant|>\n"
+    text, count, finish = alone(model, tokenizer, ids_of(tokenizer, rendered), 32)
+    got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=32, temperature=0)
+    assert got.choices[0].message.content == text and got.choices[0].message.role == "assistant"
+    assert got.choices[0].finish_reason == finish and got.usage.completion_tokens == count
+    assert got.usage.prompt_tokens == len(ids_of(tokenizer, rendered))
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=32,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == finish
+
+
+def test_seed_reproduces_sampling_and_n_gives_seed_after_seed(client, model, tokenizer):
+    ids = ids_of(tokenizer, PROMPTS[1])
+    kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=24, temperature=0.9, top_p=0.95, extra_body={"top_k": 40})
+    want = [alone(model, tokenizer, ids, 24, temperature=0.9, top_k=40, top_p=0.95, seed=s)[0] for s in (5, 6)]
+    assert want[0] != want[1]
+    first = client.completions.create(seed=5, **kw).choices[0].text
+    assert first == want[0] and client.completions.create(seed=5, **kw).choices[0].text == want[0]
+    assert client.completions.create(seed=6, **kw).choices[0].text == want[1]
+    both = client.completions.create(seed=5, n=2, **kw)
+    assert [c.index for c in both.choices] == [0, 1] and [c.text for c in both.choices] == want
+    streamed = ["", ""]
+    for chunk in client.completions.create(seed=5, n=2, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == want
+
+
+def test_concurrent_clients_each_get_their_request_alone(client, model, tokenizer, rng):
+    """32 clients at once, greedy and sampled, streaming or not, different lengths and
+    ignore_eos: each gets what its request generates alone."""
+    cases = []
+    for i in range(32):
+        sampled = i % 2 == 1
+        cases.append(dict(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=int(rng.choice([6, 12, 20, 28])),
+                          temperature=0.8 if sampled else 0.0, seed=int(rng.integers(1 << 31)),
+                          stream=i % 3 == 0, ignore_eos=i % 5 == 0))
+
+    def ask(case):
+        kw = dict(model=NAME, prompt=case["prompt"], max_tokens=case["max_tokens"], temperature=case["temperature"],
+                  seed=case["seed"], extra_body={"ignore_eos": case["ignore_eos"]})
+        if not case["stream"]:
+            c = client.completions.create(**kw).choices[0]
+            return c.text, c.finish_reason
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw)]
+        return "".join(c.text for c in chunks), chunks[-1].finish_reason
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        got = list(pool.map(ask, cases))
+    for case, (text, finish) in zip(cases, got):
+        want, _, reason = alone(model, tokenizer, ids_of(tokenizer, case["prompt"]), case["max_tokens"],
+                                temperature=case["temperature"], seed=case["seed"],
+                                stop_ids=() if case["ignore_eos"] else None)
+        assert (text, finish) == (want, reason), case
+
+
+def test_a_client_leaving_mid_stream_frees_its_pages(client, url, model, tokenizer):
+    gone = ("specjax:request_success_total", (("finished_reason", "abort"),))
+    aborted = metrics(url).get(gone, 0.0)
+    want = alone(model, tokenizer, ids_of(tokenizer, PROMPTS[2]), 40)[0]
+
+    def other():
+        return "".join(c.choices[0].text for c in client.completions.create(
+            model=NAME, prompt=PROMPTS[2], max_tokens=40, temperature=0, stream=True))
+
+    with ThreadPoolExecutor(1) as pool:
+        leaving = client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=120, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+        staying = pool.submit(other)
+        for _, chunk in zip(range(2), leaving):
+            assert chunk.choices[0].finish_reason is None
+        leaving.close()  # drops the connection mid-stream
+        assert staying.result() == want
+    deadline = time.monotonic() + 60
+    while True:
+        now = metrics(url)
+        if now[("specjax:kv_cache_pages_in_use", ())] == 0 and now[("specjax:num_requests_running", ())] == 0:
+            break
+        assert time.monotonic() < deadline, "pages were not returned"
+        time.sleep(0.1)
+    assert now[("specjax:kv_cache_pages_reserved", ())] == 0
+    assert now[gone] == aborted + 1  # it was cancelled, not run to its end
+
+
+def test_stop_strings_and_stop_ids_end_the_text(client, model, tokenizer):
+    ids = ids_of(tokenizer, PROMPTS[4])
+    full, count, _ = alone(model, tokenizer, ids, 40, stop_ids=())
+    stop = full[len(full) // 2:len(full) // 2 + 4]  # four characters, likely across a token boundary
+    cut = full.find(stop)
+    kw = dict(model=NAME, prompt=PROMPTS[4], max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    got = client.completions.create(stop=[stop, "\x00never"], **kw).choices[0]
+    assert (got.text, got.finish_reason) == (full[:cut], "stop")
+    chunks = [c.choices[0] for c in client.completions.create(stop=stop, stream=True, **kw)]
+    assert "".join(c.text for c in chunks) == full[:cut] and chunks[-1].finish_reason == "stop"
+    # the earliest of several stop strings wins
+    early = full[2:5]
+    got = client.completions.create(stop=[stop, early], **kw).choices[0]
+    assert got.text == full[:min(cut, full.find(early))]
+    # a stop id ends generation after it, the id itself not shown
+    tokens = specjax.generate(model, ids, max_new_tokens=40, stop_ids=()).tokens
+    stop_id = tokens[10]
+    want = alone(model, tokenizer, ids, 40, stop_ids=[stop_id])
+    got = client.completions.create(model=NAME, prompt=ids, max_tokens=40, temperature=0,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    assert (got.choices[0].text, got.usage.completion_tokens, got.choices[0].finish_reason) == want
+
+
+BAD = [
+    ({"model": "gpt-4", "prompt": "x"}, "model"),
+    ({"prompt": list(range(MAX_LEN + 4))}, "prompt"),
+    ({"prompt": "x", "max_tokens": MAX_LEN}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [1, 2, 99999]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop_token_ids": [8192]}, "stop_token_ids"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "max_tokns": 5}, "max_tokns"),
+]
+
+
+def test_bad_requests_get_400_naming_the_field(url, client):
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for body, param in BAD:
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 400, body
+            error = r.json()["error"]
+            assert (error["param"], error["type"], error["code"]) == (param, "invalid_request_error", None), body
+            assert error["message"]
+        r = http.post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    # the server keeps serving
+    assert client.completions.create(model=NAME, prompt="x", max_tokens=3, temperature=0).usage.completion_tokens
+
+
+def test_chat_without_a_template_names_messages(model):
+    shipped = dataclasses.replace(model, tokenizer=AutoTokenizer.from_pretrained(str(SHIPPED)))  # no template
+    with running(create_app(Engine(shipped, None, max_batch=1, max_len=MAX_LEN), "tiny-code")) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages" and "chat template" in error["message"]
+
+
+def test_speculation_metrics_add_up(url):
+    """vLLM's counters over what the tests ran: drafts were made and some accepted, and
+    the per-position counts add up to the accepted total."""
+    m = metrics(url)
+    drafts = m[("specjax:spec_decode_num_drafts_total", ())]
+    accepted = m[("specjax:spec_decode_num_accepted_tokens_total", ())]
+    per_pos = {dict(k[1])["position"]: v for k, v in m.items()
+               if k[0] == "specjax:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert drafts > 0 and 0 < accepted <= m[("specjax:spec_decode_num_draft_tokens_total", ())]
+    assert sum(per_pos.values()) == accepted and set(per_pos) == {"0"}  # k = 1: one position
+    assert m[("specjax:time_to_first_token_seconds_count", ())] > 0
+    assert m[("process_resident_memory_bytes", ())] > 0
+    assert np.isclose(m[("specjax:kv_cache_usage_perc", ())], 0.0)
+
+
+def test_serve_refuses_a_busy_port(capsys):
+    with bind("127.0.0.1", 0) as taken, pytest.raises(SystemExit) as e:
+        main(["serve", "--port", str(taken.getsockname()[1])])
+    assert e.value.code == 2 and "cannot listen there" in capsys.readouterr().err
+
+
+def test_sigterm_lets_a_running_stream_finish(model, tokenizer):
+    """`specjax serve` in its own process: on SIGTERM it stops taking requests, finishes the
+    running stream, stops the engine thread and ends by that signal (uvicorn's way)."""
+    proc = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", "--model", str(SHIPPED), "--port", "0",
+                             "--no-warmup", "--no-speculate", "--max-batch", "1", "--max-len", str(MAX_LEN)],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not (found := [m for line in lines if (m := re.search(r"serving .* at (http://\S+)/v1", line))]):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.1)
+        base = found[0].group(1)
+        want = alone(model, tokenizer, ids_of(tokenizer, PROMPTS[5]), 96, stop_ids=())[0]
+        stream = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0).completions.create(
+            model="tiny-code", prompt=PROMPTS[5], max_tokens=96, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        text = next(stream).choices[0].text
+        proc.send_signal(signal.SIGTERM)
+        text += "".join(c.choices[0].text for c in stream)
+        assert text == want
+        assert proc.wait(60) == -signal.SIGTERM
+    finally:
+        proc.kill()
+    reader.join(10)
+    assert "Application shutdown complete" in "".join(lines)
+
+
+def test_text_stream_holds_back_what_may_start_a_stop_string(tokenizer):
+    """Token by token: what is sent never runs past the cut, and adds up to the text
+    before the earliest stop string."""
+    ids = ids_of(tokenizer, "def area(r):\n    return 3.14159 * r * r  # the area\n")
+    text = tokenizer.decode(ids)
+    for stop in (" * r", "14159", "area\n", "absent"):
+        stream = TextStream(tokenizer, [stop, "never there"])
+        want = text[:text.find(stop)] if stop in text else text
+        sent = ""
+        for i, t in enumerate(ids):
+            sent += stream.add([t], final=i == len(ids) - 1)
+            assert want.startswith(sent), (stop, sent)
+            if stream.stopped:
+                break
+        assert sent == want and stream.stopped == (stop in text), stop
+    # a multi-byte character split across tokens is held until it is whole
+    stream = TextStream(tokenizer)
+    ids = ids_of(tokenizer, "naïve ☃")
+    assert "".join(stream.add([t]) for t in ids) + stream.add([], final=True) == tokenizer.decode(ids)
+
+
+def test_speculation_counters_per_round():
+    """(drafts, accepted) per round, counted as vLLM does: rounds that drafted, drafts,
+    accepted drafts, and per 0-based position the rounds that accepted it."""
+    m = ServerMetrics("m")
+    m.rounds([3, 0, 2, 1, 4], [2, 0, 2, 0, 1])
+    values = {(s.name, s.labels.get("position")): s.value
+              for family in text_string_to_metric_families(m.render().decode()) for s in family.samples}
+    assert values[("specjax:spec_decode_num_drafts_total", None)] == 4
+    assert values[("specjax:spec_decode_num_draft_tokens_total", None)] == 10
+    assert values[("specjax:spec_decode_num_accepted_tokens_total", None)] == 5
+    per_pos = {p: v for (name, p), v in values.items() if name == "specjax:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos == {"0": 3, "1": 2}
