@@ -10,6 +10,7 @@ time after prefill, for us and for transformers alike.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import platform
 import statistics
@@ -23,7 +24,6 @@ from train.prompts import WORKLOADS, workload
 from .adaptive import Adaptive
 from .checkpoint import weight_bytes
 from .loop import generate
-from .results import capacity_for
 from .lookup import LookupProposer
 from .model import Model, load
 from .proposers import DraftProposer, NgramProposer
@@ -89,38 +89,8 @@ def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
         ks = sorted({k for k in cfg.dflash_ks if k < drafter.cfg.block_size} | {DFlashProposer(drafter).k})
         rows += [("dflash", k, DFlashProposer(drafter, k=k)) for k in ks]
         pool.append(DFlashProposer(drafter, k=ks[-1]))
-    if len(pool) > 1:  # the same drafts chosen on the host
-        rows.append(("adaptive-ngram", 0, Adaptive(pool[0])))
     rows.append(("adaptive", 0, Adaptive(*pool)))
     return rows
-
-
-def warm_verify(target: Model, proposers: list[Any], capacities: set[int], sampling: Sampling) -> None:
-    """Compile every verify width and plain-run length for each tap set the proposers
-    need, before timing: Adaptive reaches them by what it learns, so one first used inside
-    a timed run would add its compilation (~0.5 s on CPU) to that run."""
-    import jax
-    import jax.numpy as jnp
-    from . import kv as kvlib
-    from . import steps
-
-    taps_sets = {()} | {p.drafter.cfg.target_layer_ids for p in _leaves(proposers) if hasattr(p, "drafter")}
-    for taps in taps_sets:
-        for capacity in capacities:
-            for width in steps.BUCKETS:
-                kv = kvlib.init(target.config, 1, capacity, target.dtype)
-                out = steps.verify(target.params, target.config, kv, np.int32(0), np.zeros(width - 1, np.int32),
-                                   np.int32(0), jnp.uint32(0), sampling=sampling, width=width, logq=None, taps=taps)
-                jax.block_until_ready(out[0])
-                kv = kvlib.init(target.config, 1, capacity, target.dtype)
-                out = steps.decode(target.params, target.config, kv, np.int32(0), jnp.uint32(0),
-                                   sampling=sampling, n=width, taps=taps)
-                jax.block_until_ready(out[0])
-
-
-def _leaves(proposers: list[Any]) -> list[Any]:
-    """The proposers, with Adaptive ones replaced by what they wrap."""
-    return [q for p in proposers if p is not None for q in (p.proposers if isinstance(p, Adaptive) else (p,))]
 
 
 def _ours(target: Model, proposer: Any, ids: list[int], n: int, sampling: Sampling, seed: int) -> dict[str, Any]:
@@ -229,40 +199,49 @@ def step_profile(model: Model, ts: tuple[int, ...], context: int = 512, rounds: 
     """Verify-step time for each T (round-robin, median of per-round ratios to T=1), and
     against the weight-bytes / bandwidth floor (median of per-round ratios, the bandwidth
     measured in each round): the T=1 step called alone (dispatch and result included) and
-    a token of a fused plain run (`steps.decode`, as generate decodes)."""
+    a token of plain decoding as `generate` runs it (one engine call of 16 plain rounds).
+
+    The step timed for each T is the target's forward over T new tokens at the end of a
+    `context`-token cache (`qwen3.hidden_states` + `qwen3.unembed` + the argmax, one jitted
+    call, the cache donated), the model work of the engine's verify step for one row; the
+    cache is filled with `rounds.prefill_chunk`, as the engine prefills."""
     import jax
     import jax.numpy as jnp
     from . import kv as kvlib
-    from . import steps
-    from .loop import run_prefill
+    from .engine import Engine
+    from .results import PREFILL_CHUNK
+    from .rounds import prefill_chunk
+    from .sampling import RowSampling
 
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.config.vocab_size, context).astype(np.int32)
     cap = 1024 if context + 32 <= 1024 - 128 else 2 * (context + 160)
     kv = kvlib.init(model.config, 1, cap, model.dtype)
-    _, kv, _ = run_prefill(model, kv, ids, jnp.uint32(0), Sampling())
-    drafts = rng.integers(0, model.config.vocab_size, 16).astype(np.int32)
+    for start in range(0, context, PREFILL_CHUNK):
+        part = np.zeros(PREFILL_CHUNK, np.int32)
+        part[:min(PREFILL_CHUNK, context - start)] = ids[start:start + PREFILL_CHUNK]
+        _, _, kv, _ = prefill_chunk(model.params, model.config, kv, jnp.asarray(part),
+                                    jnp.int32(min(PREFILL_CHUNK, context - start)), jnp.uint32(0),
+                                    RowSampling.of([Sampling()]), sampled=False)
+    tokens = rng.integers(0, model.config.vocab_size, 16).astype(np.int32)
 
     def once(t: int) -> float:
         nonlocal kv
         start = time.perf_counter()
-        out, count, _, kv, _ = steps.verify(model.params, model.config, kv, np.int32(1), drafts[:t - 1],
-                                           np.int32(t - 1), jnp.uint32(0), sampling=Sampling(), width=t)
+        out, kv = _profiled_step()(model.params, model.config, kv, tokens[:t])
         jax.block_until_ready(out)
-        elapsed = time.perf_counter() - start
-        kv = kvlib.truncate(kv, jnp.array([context]))
-        return elapsed
+        return time.perf_counter() - start
 
-    run = steps.BUCKETS[-1]
+    engine = Engine(model, None, max_batch=1, max_len=min(cap, model.config.max_position_embeddings))
+    run = 16  # the engine's rounds per call
 
-    def fused() -> float:  # plain decoding as generate runs it: a fused run, per token
-        nonlocal kv
+    def fused() -> float:  # plain decoding as generate runs it: one engine call of `run` rounds, per token
+        req = engine.submit(ids, max_new_tokens=run + 1, stop_ids=())
+        engine.step()  # the prompt and the first token
         start = time.perf_counter()
-        out, _, kv, _ = steps.decode(model.params, model.config, kv, np.int32(1), jnp.uint32(0),
-                                     sampling=Sampling(), n=run)
-        jax.block_until_ready(out)
+        engine.step()
         elapsed = time.perf_counter() - start
-        kv = kvlib.truncate(kv, jnp.array([context]))
+        assert req.done and len(req.tokens) == run + 1
         return elapsed / run
 
     for t in ts:  # compile
@@ -293,6 +272,25 @@ def step_profile(model: Model, ts: tuple[int, ...], context: int = 512, rounds: 
             "run_ms_per_token": run_s * 1e3, "run_over_floor": over(runs)}
 
 
+@functools.cache
+def _profiled_step() -> Callable:
+    """The jitted step `step_profile` times (made on first use: importing the bench
+    compiles nothing): the target's forward over T tokens after the cache's committed ones
+    and their greedy tokens; the cache's length is left as it is (a step whose drafts are
+    all rejected), so every call scores the same positions."""
+    import jax
+    import jax.numpy as jnp
+    from . import qwen3
+
+    @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
+    def step(params: Any, cfg: Any, kv: Any, tokens: Any) -> tuple[Any, Any]:
+        positions = kv.lengths[:1, None] + jnp.arange(tokens.shape[0])
+        h, kv, _ = qwen3.hidden_states(params, cfg, tokens[None], positions, kv)
+        return jnp.argmax(qwen3.unembed(params, cfg, h[0]), axis=-1), kv
+
+    return step
+
+
 # ---------------------------------------------------------------- the run
 
 def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -309,8 +307,6 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         prompts = workload(target.tokenizer, kind, cfg.prompts, cfg.prompt_tokens)
         for sname in cfg.samplings:
             sampling = SAMPLINGS[sname]
-            warm_verify(target, [p for _, _, p in methods], {capacity_for(len(p.ids) + cfg.new_tokens) for p in prompts},
-                        sampling)
             log(f"[{kind} / {sname}] {len(prompts)} prompt(s) of ~{cfg.prompt_tokens} tokens, {cfg.new_tokens} new")
             runs: dict[str, list[dict]] = {}
             for pi, prompt in enumerate(prompts):
@@ -414,7 +410,7 @@ def _jsonable(x: Any) -> Any:
 
 def markdown(results: dict[str, Any]) -> str:
     """The results table: speedup at the best k of each method, per workload and sampling."""
-    adaptive = ("lookup", "adaptive-ngram", "adaptive")  # k chosen per step
+    adaptive = ("lookup", "adaptive")  # k chosen per step
     methods = [m for m in ("ngram", "draft", "dflash") + adaptive if any(m in c["best_k"] for c in results["cells"])]
     head = ["workload", "sampling", "plain tok/s"] + [m if m in adaptive else f"{m} (best k)" for m in methods]
     if "dflash" in methods:

@@ -82,6 +82,21 @@ def cyclic_target(tmp_path_factory):
     return specjax.load(folder)
 
 
+def lookup_reference(history: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> tuple[np.ndarray, int]:
+    """Prompt lookup by brute force: for n = max_ngram down to min_ngram, the k tokens after
+    the latest earlier occurrence of the last n tokens; (tokens, n matched), or (empty, 0)."""
+    history = np.asarray(history)
+    size = len(history)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n >= size:
+            continue
+        tail = list(history[size - n:])
+        starts = [i for i in range(size - n) if list(history[i:i + n]) == tail]
+        if starts:
+            return history[starts[-1] + n:starts[-1] + n + k], n
+    return history[:0], 0
+
+
 def repeating_prompt(rng, vocab: int, period: int = 9, repeats: int = 3) -> np.ndarray:
     """A random period repeated, then its first 4 tokens: something for prompt lookup to copy."""
     base = rng.integers(0, vocab, period)
