@@ -25,7 +25,6 @@ from . import steps
 from .checkpoint import weight_bytes
 from .costs import StepCosts, block_cost, chain_cost, prior_costs
 from .dflash import Drafter, fit_problems
-from .drafters import draft_head
 from .kv import KVCache
 from .lookup import MAX_NGRAM
 from .results import PREFILL_CHUNK, GenerateResult, GenerationError, Stats, token_ids, validate
@@ -185,12 +184,10 @@ class Engine:
         # the model proposers' prior extra step costs (their weight bytes over the target's)
         target_bytes = weight_bytes(model.params)
         self.model_costs: list[tuple[str, float, int]] = []
-        # a DFlash block is scored by the target's head, or its rows of the draft vocabulary
-        self.fhead = None if dflash is None or dflash.vocab is None else draft_head(model.params, cfg, dflash.vocab)
         if draft is not None:
             self.model_costs.append(("chain", weight_bytes(draft.params) / target_bytes, 0))
         if dflash is not None:
-            head = (head_weight(model.params, cfg) if self.fhead is None else self.fhead[0]).nbytes
+            head = head_weight(model.params, cfg).nbytes
             self.model_costs.append(("block", (weight_bytes(dflash.params) + head) / target_bytes,
                                      dflash.cfg.block_size))
         self.max_batch, self.page_size, self.n_rounds = max_batch, page_size, rounds
@@ -469,8 +466,7 @@ class Engine:
             jnp.asarray(stops), jnp.asarray(row_k), jnp.asarray(use), state,
             jnp.asarray(costs.ratios().reshape(groups, -1), jnp.float32), jnp.asarray(seeds),
             RowSampling.of(settings), None if d is None else d.params, dkv,
-            fhead=self.fhead, given=None if given is None else tuple(map(jnp.asarray, given)),
-            **self._dflash_args(table),
+            given=None if given is None else tuple(map(jnp.asarray, given)), **self._dflash_args(table),
             dcfg=None if d is None else d.config, k=self.compiled_k,
             max_ngram=self.spec.max_ngram, min_ngram=self.spec.min_ngram, n_rounds=n_rounds, sampled=sampled,
             sample_drafts=self.sample_drafts, adaptive=self.spec.adaptive)
@@ -536,13 +532,14 @@ def _per_prompt(value: Any, n: int, name: str, is_one) -> list:
     raise GenerationError(f"{name} must be one value or a list with one per prompt ({n}), got {value!r}")
 
 
-def engine_options(speculative: Any) -> tuple[dict[str, Any], dict[str, bool]]:
+def engine_options(speculative: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(Engine keywords, submit keywords) for a `generate` proposer argument.
 
     None: plain decoding; a `Speculation` as given; LookupProposer: prompt lookup with k
     chosen per round, `steps` rounds per call; NgramProposer / DraftProposer /
     DFlashProposer: drafts of their fixed k each step (what they mean on their own); an
-    Adaptive over at most one of each: the engine chooses among them per row and round.
+    Adaptive (at most one of each): the engine chooses among them per row and round; a
+    `HostDrafter`: that object drafts for each request, up to 15 drafts a round.
     """
     from .adaptive import Adaptive
     from .lookup import LookupProposer
@@ -550,19 +547,19 @@ def engine_options(speculative: Any) -> tuple[dict[str, Any], dict[str, bool]]:
 
     if speculative is None or isinstance(speculative, Speculation):
         return {"speculative": speculative}, {}
+    kinds = (Adaptive, LookupProposer, NgramProposer, DraftProposer, DFlashProposer)
+    if not isinstance(speculative, kinds):
+        if isinstance(speculative, HostDrafter):
+            return {"speculative": Speculation(k=SPAN - 1)}, {"drafter": speculative}
+        raise GenerationError(f"speculative must be None, a Speculation, a LookupProposer, NgramProposer, "
+                              f"DraftProposer or DFlashProposer, an Adaptive over them, or a HostDrafter (an "
+                              f"object with propose(history, limit)); got {type(speculative).__name__}")
     adaptive = isinstance(speculative, (Adaptive, LookupProposer))
     parts = speculative.proposers if isinstance(speculative, Adaptive) else (speculative,)
     lookups = [p for p in parts if isinstance(p, (LookupProposer, NgramProposer))]
     drafts = [p for p in parts if isinstance(p, DraftProposer)]
     blocks = [p for p in parts if isinstance(p, DFlashProposer)]
-    if len(lookups) + len(drafts) + len(blocks) != len(parts) or max(len(lookups), len(drafts), len(blocks)) > 1:
-        names = ", ".join(type(p).__name__ for p in parts)
-        raise GenerationError(f"the engine drafts by prompt lookup (LookupProposer, NgramProposer), one "
-                              f"DraftProposer and one DFlashProposer; got {names}")
     models = drafts + blocks
-    if len({p.sample for p in models}) > 1:
-        raise GenerationError("the DraftProposer and the DFlashProposer must agree on sample (the engine samples "
-                              "every model's drafts for sampled rows, or none)")
     ngram = lookups[0] if lookups else NgramProposer()
     options: dict[str, Any] = {"speculative": Speculation(max(p.k for p in parts), ngram.max_ngram, ngram.min_ngram,
                                                           adaptive=adaptive)}
@@ -575,22 +572,6 @@ def engine_options(speculative: Any) -> tuple[dict[str, Any], dict[str, bool]]:
     if models:
         options["sample_drafts"] = models[0].sample
     return options, {"lookup": bool(lookups)}
-
-
-def runs_on_engine(speculative: Any) -> bool:
-    """Whether `generate` runs this proposer argument on the engine: all of specjax's own
-    (an Adaptive over at most one n-gram, one draft-model and one DFlash proposer); a
-    proposer of another kind runs in `loop.generate`'s host loop."""
-    from .adaptive import Adaptive
-    from .lookup import LookupProposer
-    from .proposers import DFlashProposer, DraftProposer, NgramProposer
-
-    kinds = ((LookupProposer, NgramProposer), (DraftProposer,), (DFlashProposer,))
-    if speculative is None or isinstance(speculative, Speculation):
-        return True
-    parts = speculative.proposers if isinstance(speculative, Adaptive) else (speculative,)
-    counts = [sum(isinstance(p, kind) for p in parts) for kind in kinds]
-    return sum(counts) == len(parts) and max(counts) <= 1
 
 
 def generate_one(model: Model, ids: np.ndarray, *, max_new_tokens: int, sampling: Sampling, stop_ids: Any,

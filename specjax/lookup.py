@@ -29,8 +29,8 @@ MAX_NGRAM = 32  # find() unrolls one comparison per n: compile time grows with i
 
 def find(history: jax.Array, size: jax.Array, k: int, max_ngram: int, min_ngram: int
          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`proposers.ngram_lookup` on the device: the k tokens after the latest earlier
-    occurrence of the longest suffix of history[:size] (max_ngram .. min_ngram tokens).
+    """Prompt lookup on the device: the k tokens after the latest earlier occurrence of
+    the longest suffix of history[:size] (max_ngram .. min_ngram tokens).
 
     history must hold at least size + k entries. Returns (drafts [k], real drafts, n matched).
     """

@@ -239,9 +239,8 @@ def test_bad_requests_name_the_parameter(cyclic_target):
         specjax.generate(model, [[1, 2], [3]], max_new_tokens=[4])
     with pytest.raises(GenerationError, match="prompt token ids must be in"):
         specjax.generate(model, [[1, 2], [3, 1000]], max_new_tokens=4)
-    with pytest.raises(GenerationError, match="engine drafts by prompt lookup"):
-        specjax.generate(model, [[1, 2], [3]], max_new_tokens=4,
-                         speculative=specjax.Adaptive(specjax.DraftProposer(model), specjax.DraftProposer(model)))
+    with pytest.raises(GenerationError, match="or a HostDrafter"):
+        specjax.generate(model, [[1, 2], [3]], max_new_tokens=4, speculative="ngram")
     with pytest.raises(GenerationError, match="max_len"):
         Engine(model, None, max_len=10 ** 6)
     with pytest.raises(specjax.proposers.ProposerError, match="k must be"):

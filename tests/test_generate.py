@@ -104,3 +104,45 @@ def test_bad_seed(tiny, seed):
 def test_bad_max_new_tokens(tiny):
     with pytest.raises(GenerationError, match="max_new_tokens"):
         specjax.generate(tiny[2], [1, 2], max_new_tokens=0)
+
+
+class _Oracle:
+    """A Python drafter that knows the plain run: it proposes the tokens plain decoding
+    emits next (junk where told to), so each step's drafts are right or wrong by design."""
+
+    def __init__(self, prompt_len, truth, wrong_every=0):
+        self.prompt_len, self.truth, self.wrong_every, self.calls = prompt_len, truth, wrong_every, 0
+
+    def propose(self, history, limit):
+        self.calls += 1
+        done = len(history) - self.prompt_len
+        out = list(self.truth[done:done + limit])
+        if self.wrong_every and self.calls % self.wrong_every == 0 and out:
+            out[0] = (out[0] + 1) % 101
+        return out
+
+
+def test_host_drafter_runs_as_the_requests_drafter(tiny, rng):
+    """An object with propose(history, limit) drafts on the engine: right drafts are all
+    accepted (fewer steps), wrong ones are rejected, and the tokens are plain decoding's."""
+    model = tiny[2]
+    ids = rng.integers(0, model.config.vocab_size, 20)
+    plain = specjax.generate(model, ids, max_new_tokens=40, stop_ids=())
+    right = specjax.generate(model, ids, max_new_tokens=40, stop_ids=(), speculative=_Oracle(20, plain.tokens))
+    assert right.tokens == plain.tokens
+    assert right.stats.drafted > 0 and right.stats.accepted == right.stats.drafted
+    assert right.stats.steps < plain.stats.steps and {p for p, _ in right.stats.choices} <= {"host", None}
+    mixed = specjax.generate(model, ids, max_new_tokens=40, stop_ids=(),
+                             speculative=_Oracle(20, plain.tokens, wrong_every=2))
+    assert mixed.tokens == plain.tokens and 0 < mixed.stats.accepted < mixed.stats.drafted
+    batch = specjax.generate(model, [ids, ids[:9]], max_new_tokens=[40, 12], stop_ids=(),
+                             speculative=_Oracle(20, plain.tokens))
+    assert batch[0].tokens == plain.tokens
+    assert batch[1].tokens == specjax.generate(model, ids[:9], max_new_tokens=12, stop_ids=()).tokens
+
+
+def test_unknown_speculative_names_what_is_accepted(tiny):
+    for bad in ("ngram", 3.5, object()):
+        with pytest.raises(GenerationError, match="NgramProposer, DraftProposer or DFlashProposer, an Adaptive over "
+                                                  "them, or a HostDrafter"):
+            specjax.generate(tiny[2], [1, 2, 3], max_new_tokens=3, speculative=bad)

@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 from specjax import kv as kvlib
-from specjax import qwen3, steps
-from specjax.sampling import Sampling
+from specjax import qwen3
 
 
 @pytest.fixture(scope="module")
@@ -109,32 +108,3 @@ def test_stacked_and_unstacked_layouts_agree(model, rng):
         outs.append((np.asarray(logits), np.asarray(cache.k), np.asarray(cache.v), np.asarray(tapped)))
     for a, b in zip(*outs):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.8, top_k=50, top_p=0.9)],
-                         ids=["greedy", "sampled"])
-def test_fused_plain_run_equals_single_verify_steps(model, rng, sampling):
-    """steps.decode(n) commits the tokens n T = 1 verify steps would, with the same taps."""
-    cfg, taps = model.config, (0, model.config.num_hidden_layers - 1)
-    prompt = rng.integers(0, cfg.vocab_size, 21).astype(np.int32)
-    seed = jnp.uint32(int(rng.integers(2**32)))
-    n = 8
-
-    def prefilled():
-        return _step(model, kvlib.init(cfg, 1, 64, page_size=8), prompt[:-1])[1]
-
-    cache, last, want, want_taps = prefilled(), prompt[-1], [], []
-    for _ in range(n):
-        out, count, _, cache, feats = steps.verify(model.params, cfg, cache, np.int32(last), np.zeros(0, np.int32),
-                                                   np.int32(0), seed, sampling=sampling, width=1, taps=taps)
-        assert int(count) == 1
-        last = int(out[0])
-        want.append(last)
-        want_taps.append(np.asarray(feats[:, 0]))
-    tokens, bad, run_cache, feats = steps.decode(model.params, cfg, prefilled(), np.int32(prompt[-1]), seed,
-                                                 sampling=sampling, n=n, taps=taps)
-    assert not bool(bad)
-    assert list(np.asarray(tokens)) == want
-    assert int(run_cache.lengths[0]) == int(cache.lengths[0]) == len(prompt) - 1 + n
-    # every position's features, so a run that repeats one token is still checked throughout
-    np.testing.assert_allclose(np.asarray(feats), np.stack(want_taps, axis=1), rtol=0, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Prompt lookup (specjax.lookup): the device search makes the host lookup's drafts, the
+"""Prompt lookup (specjax.lookup): the device search makes a brute-force lookup's drafts, the
 output equals plain decoding, the acceptance model and the step-cost fit behave as
 documented."""
 
@@ -9,14 +9,14 @@ import pytest
 
 import specjax
 from specjax import costs as costs_lib, lookup
-from specjax.proposers import ProposerError, ngram_lookup
+from specjax.proposers import ProposerError
 from specjax.sampling import Sampling
-from conftest import repeating_prompt
+from conftest import lookup_reference, repeating_prompt
 
 SAMPLED = Sampling(temperature=0.8, top_k=40, top_p=0.9)
 
 
-def test_find_equals_host_lookup(rng):
+def test_find_equals_brute_force_lookup(rng):
     size_max = 40
     for k, hi, lo in [(1, 1, 1), (3, 2, 1), (7, 3, 1), (5, 4, 2)]:
         find = jax.jit(lambda h, n: lookup.find(h, n, k, hi, lo))
@@ -26,7 +26,7 @@ def test_find_equals_host_lookup(rng):
             padded = rng.integers(0, 6, size_max + k).astype(np.int32)  # garbage past size
             padded[:size] = history
             drafts, n, matched = find(padded, np.int32(size))
-            want, want_n = ngram_lookup(history, k, hi, lo)
+            want, want_n = lookup_reference(history, k, hi, lo)
             assert int(n) == len(want) and int(matched) == want_n
             np.testing.assert_array_equal(np.asarray(drafts)[:int(n)], want)
 
@@ -129,17 +129,6 @@ def test_bad_options():
     with pytest.raises(ProposerError, match="at most 32"):
         lookup.LookupProposer(max_ngram=33)
     assert lookup.LookupProposer(k=np.int64(3)).k == 3
-
-
-def test_adaptive_takes_proposers_and_sane_priors():
-    from specjax.proposers import NgramProposer
-
-    for bad in (object(), specjax.Adaptive(NgramProposer())):
-        with pytest.raises(ProposerError, match="chooses among proposers"):
-            specjax.Adaptive(NgramProposer(), bad)
-    for kw in (dict(prior_accept=2.0), dict(accept_decay=1.5), dict(prior_accept=0.0)):
-        with pytest.raises(ProposerError, match="must be in"):
-            specjax.Adaptive(NgramProposer(), **kw)
 
 
 def test_cannot_be_wrapped():
