@@ -1,6 +1,6 @@
 """`specjax serve`: a real server on 127.0.0.1 driven by the official openai client. Every
 completion is checked against the same prompt generated alone by `specjax.generate` with
-plain decoding (lossless speculation makes them equal), never against the server itself."""
+the same settings, never against the server itself."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 import specjax
 from specjax import Sampling
 from specjax.cli import main
-from specjax.engine import Engine, Speculation
+from specjax.engine import Engine, engine_options
 from specjax.metrics import ServerMetrics
 from specjax.server import bind, create_app
 from specjax.textstream import TextStream
@@ -36,7 +36,8 @@ from specjax.textstream import TextStream
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "checkpoints" / "tiny-code"
 NAME = "tiny-code-chat"
-MAX_LEN = 256
+MAX_LEN = 256  # prompt + max_tokens <= 112 in every test: `generate` then sizes its engine alike
+LOOKUP = specjax.LookupProposer(k=1)  # the served speculation, and the references'
 # a template of the tests' own, rendered again by hand below (the shipped model has none)
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -88,12 +89,13 @@ def tokenizer(folder):
 
 @pytest.fixture(scope="module")
 def url(model):
-    # prompt lookup (k chosen per round) as `serve` runs it, at the fewest compiles: k = 1,
-    # two rows (each row count and each of greedy / sampled is one compile of ~4-9 s), and
-    # a pool the size of the references' one-row engine, so their prefill serves it too
-    pages = Engine(model, None, max_batch=1, max_len=MAX_LEN).pages.n_pages
-    engine = Engine(model, Speculation(k=1), max_batch=2, max_len=MAX_LEN, num_pages=pages)
-    with running(create_app(engine, NAME)) as base:
+    # prompt lookup (k chosen per round) built as `serve` builds it, at the fewest compiles:
+    # k = 1, two rows (each row count and each of greedy / sampled is one compile of ~4-9 s),
+    # and a pool the size of the references' one-row engine, so they share its compiled steps
+    options, per_request = engine_options(LOOKUP)
+    pages = Engine(model, max_batch=1, max_len=MAX_LEN, **options).pages.n_pages
+    engine = Engine(model, max_batch=2, max_len=MAX_LEN, num_pages=pages, **options)
+    with running(create_app(engine, NAME, per_request)) as base:
         yield base
 
 
@@ -103,9 +105,9 @@ def client(url):
 
 
 def alone(model, tokenizer, ids, max_tokens, *, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=None):
-    """(text, token count, finish reason) of the prompt generated alone by plain decoding."""
+    """(text, token count, finish reason) of the prompt generated alone."""
     res = specjax.generate(model, ids, max_new_tokens=max_tokens, sampling=Sampling(temperature, top_k, top_p),
-                           seed=seed, stop_ids=stop_ids)
+                           seed=seed, stop_ids=stop_ids, speculative=LOOKUP)
     tokens = res.tokens[:-1] if res.stopped else res.tokens
     return tokenizer.decode(tokens, skip_special_tokens=True), len(res.tokens), "stop" if res.stopped else "length"
 
@@ -251,7 +253,7 @@ def test_stop_strings_and_stop_ids_end_the_text(client, model, tokenizer):
     got = client.completions.create(stop=[stop, early], **kw).choices[0]
     assert got.text == full[:min(cut, full.find(early))]
     # a stop id ends generation after it, the id itself not shown
-    tokens = specjax.generate(model, ids, max_new_tokens=40, stop_ids=()).tokens
+    tokens = specjax.generate(model, ids, max_new_tokens=40, stop_ids=(), speculative=LOOKUP).tokens
     stop_id = tokens[10]
     want = alone(model, tokenizer, ids, 40, stop_ids=[stop_id])
     got = client.completions.create(model=NAME, prompt=ids, max_tokens=40, temperature=0,
@@ -332,7 +334,7 @@ def test_sigterm_lets_a_running_stream_finish(model, tokenizer):
     """`specjax serve` in its own process: on SIGTERM it stops taking requests, finishes the
     running stream, stops the engine thread and ends by that signal (uvicorn's way)."""
     proc = subprocess.Popen([sys.executable, "-m", "specjax.cli", "serve", "--model", str(SHIPPED), "--port", "0",
-                             "--no-warmup", "--no-speculate", "--max-batch", "1", "--max-len", str(MAX_LEN)],
+                             "--no-warmup", "--speculate", "1", "--max-batch", "1", "--max-len", str(MAX_LEN)],
                             cwd=ROOT, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
