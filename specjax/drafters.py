@@ -3,15 +3,17 @@
 - A draft model (a smaller Qwen3 of the same vocabulary) has its own paged cache. Each
   round feeds it the row's newly committed tokens, which gives its first draft d1, and
   chains more steps when the round uses it.
-- A DFlash drafter (`specjax.dflash`) has a paged cache of context rows: per drafter layer
-  the K / V of c = hidden_norm(fc(target taps)) for every committed token but the newest
-  (as many as the target's cache holds). Each verify step's taps are written there
-  (`write_context`; rows past what the row commits are stale and overwritten later), and
-  a round that uses it runs one block pass (`block_logits`): the block [last, mask x
-  (B-1)] at the row's next positions is a Qwen3 stack whose every row attends to the
-  context before the block and to the whole block. The block's own keys and values are
-  written at the block's positions, where the next context rows overwrite them; a pass at
-  start s reads nothing at or past s that it did not write itself.
+- A DFlash drafter (`specjax.dflash`) has a paged cache of context rows (`DFlashCache`):
+  per drafter layer the K / V of c = hidden_norm(fc(target taps)) of committed tokens.
+  Every verify step (and prefill chunk) only stashes the target's taps at their
+  positions, a copy (rows past what the row commits are stale and overwritten later). A
+  round that uses the drafter first turns the stashed taps of every committed token but
+  the newest into context rows (`catch_up`), then runs one block pass (`block_logits`):
+  the block [last, mask x (B-1)] at the row's next positions is a Qwen3 stack whose every
+  row attends to the context before the block and to the whole block. The block's own
+  keys and values are written at the block's positions, where later context rows
+  overwrite them; a pass at start s reads nothing at or past s that it did not write
+  itself. Rounds that do not use the drafter cost it one copy of taps.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from . import cpu_kernels
 from . import kv as kvlib
@@ -29,6 +32,40 @@ from .dflash import DRAFT_LAYERS, DFlashConfig, context_rows
 from .kv import KVCache
 from .qwen3 import head_weight, hidden_states, project, unembed
 from .sampling import RowSampling
+
+CATCH_UP = 64  # context rows one catch-up step writes per row
+
+
+@struct.dataclass
+class DFlashCache:
+    """A DFlash drafter's paged state over the rows' page table."""
+
+    kv: KVCache         # context K / V pools [L, K, P, Z, E]; kv.lengths unused
+    taps: jax.Array     # [1, n, P, Z, D] the target's taps per position (a pool of one "layer")
+    written: jax.Array  # [R] context rows written per row: positions 0 .. written - 1
+
+
+def stash(fc: DFlashCache, taps: jax.Array, start: jax.Array) -> DFlashCache:
+    """Keep target taps [n, R, T, D] (row r's tokens at start[r] + t) for later context rows."""
+    pool = kvlib.write(fc.taps, jnp.int32(0), taps.transpose(1, 2, 0, 3), fc.kv.page_table, start,
+                       fc.kv.page_size)
+    return fc.replace(taps=pool)
+
+
+def catch_up(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, upto: jax.Array) -> DFlashCache:
+    """Context rows for every row's stashed positions written .. upto - 1, CATCH_UP at a
+    time (a row already there rewrites positions past upto, which nothing reads yet)."""
+    _, n, _, _, d = fc.taps.shape
+    flat = fc.taps[0].reshape(n, -1, d)  # [n, P * Z, D]
+    slots = kvlib.row_slots(fc.kv.page_table, fc.kv.page_size)  # [R, N]
+
+    def body(fc):
+        at = jnp.minimum(fc.written[:, None] + jnp.arange(CATCH_UP), slots.shape[1] - 1)
+        taps = flat[:, jnp.take_along_axis(slots, at, axis=1)]  # [n, R, CATCH_UP, D]
+        kv = write_context(fparams, fcfg, fc.kv, taps, fc.written)
+        return fc.replace(kv=kv, written=jnp.maximum(fc.written, jnp.minimum(upto, fc.written + CATCH_UP)))
+
+    return jax.lax.while_loop(lambda fc: jnp.any(fc.written < upto), body, fc)
 
 
 def draft_token(logits: jax.Array, positions: jax.Array, seeds: jax.Array, rs: RowSampling, sample: jax.Array,
@@ -116,24 +153,26 @@ def block_logits(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, params: Para
     return (unembed(params, cfg, h) if head is None else project(head[0], h)), fkv
 
 
-def block_drafts(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, params: Params, cfg: Qwen3Config,
+def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: Params, cfg: Qwen3Config,
                  last: jax.Array, start: jax.Array, k: int, seeds: jax.Array, rs: RowSampling, sample: jax.Array,
-                 sample_drafts: bool, head: Head | None = None) -> tuple[jax.Array, jax.Array | None, KVCache]:
-    """DFlash drafts [R, k] (argmax per block row, or where `sample` is set one independent
-    draw per row from its transformed q, keyed by (seed, DRAFT stream, position)), their
-    log-probs [R, k, V] when drafts may be sampled, and the pools. With a draft
-    vocabulary's `head`, q is zero outside it."""
-    logits, fkv = block_logits(fparams, fcfg, fkv, params, cfg, last, start, k, head)
+                 sample_drafts: bool, head: Head | None = None) -> tuple[jax.Array, jax.Array | None, DFlashCache]:
+    """DFlash drafts [R, k] after the context catches up to `start` (argmax per block row,
+    or where `sample` is set one independent draw per row from its transformed q, keyed by
+    (seed, DRAFT stream, position)), their log-probs [R, k, V] when drafts may be sampled,
+    and the state. With a draft vocabulary's `head`, q is zero outside it."""
+    fc = catch_up(fparams, fcfg, fc, start)
+    logits, fkv = block_logits(fparams, fcfg, fc.kv, params, cfg, last, start, k, head)
+    fc = fc.replace(kv=fkv)
     rows = last.shape[0]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if head is not None:
         greedy = head[1][greedy]
     if not sample_drafts:
-        return greedy, None, fkv
+        return greedy, None, fc
     if head is not None:  # q over the whole vocabulary, for the acceptance rule
         logits = jnp.full((rows, k, cfg.vocab_size), -jnp.inf, logits.dtype).at[:, :, head[1]].set(logits)
     positions = (start[:, None] + 1 + jnp.arange(k)).reshape(-1)
     keys = jax.vmap(lambda s, p: smp.position_key(s, smp.DRAFT, p))(jnp.repeat(seeds, k), positions)
     logq = smp.transform_rows(logits.reshape(rows * k, -1), rs.repeat(k))
     drawn = jax.vmap(smp.sample)(logq, keys).reshape(rows, k)
-    return jnp.where(sample[:, None], drawn, greedy), logq.reshape(rows, k, -1), fkv
+    return jnp.where(sample[:, None], drawn, greedy), logq.reshape(rows, k, -1), fc

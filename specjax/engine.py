@@ -25,6 +25,7 @@ from . import steps
 from .checkpoint import weight_bytes
 from .costs import StepCosts, block_cost, chain_cost, prior_costs
 from .dflash import Drafter, fit_problems
+from .drafters import DFlashCache, draft_head
 from .kv import KVCache
 from .lookup import MAX_NGRAM
 from .results import PREFILL_CHUNK, GenerateResult, GenerationError, Stats, token_ids, validate
@@ -90,6 +91,7 @@ class Request:
         self.reserved = 0
         self.prefilled = 0
         self.dlen = 0  # committed tokens in the draft model's cache
+        self.clen = 0  # DFlash context rows written (the rest of its taps are stashed)
         width = columns(engine.spec.max_ngram)
         self.state = {"accepted": np.zeros((2, width), np.float32), "judged": np.zeros((2, width), np.float32)}
 
@@ -184,10 +186,12 @@ class Engine:
         # the model proposers' prior extra step costs (their weight bytes over the target's)
         target_bytes = weight_bytes(model.params)
         self.model_costs: list[tuple[str, float, int]] = []
+        # a DFlash block is scored by the target's head, or its rows of the draft vocabulary
+        self.fhead = None if dflash is None or dflash.vocab is None else draft_head(model.params, cfg, dflash.vocab)
         if draft is not None:
             self.model_costs.append(("chain", weight_bytes(draft.params) / target_bytes, 0))
         if dflash is not None:
-            head = head_weight(model.params, cfg).nbytes
+            head = (head_weight(model.params, cfg) if self.fhead is None else self.fhead[0]).nbytes
             self.model_costs.append(("block", (weight_bytes(dflash.params) + head) / target_bytes,
                                      dflash.cfg.block_size))
         self.max_batch, self.page_size, self.n_rounds = max_batch, page_size, rounds
@@ -205,11 +209,12 @@ class Engine:
             d = draft.config
             dshape = (d.num_hidden_layers, d.num_key_value_heads, num_pages, page_size, d.head_dim)
             self.dk_pool, self.dv_pool = jnp.zeros(dshape, draft.dtype), jnp.zeros(dshape, draft.dtype)
-        self.fk_pool = self.fv_pool = None
+        self.fk_pool = self.fv_pool = self.ft_pool = None
         if dflash is not None:
             f = dflash.cfg
             fshape = (f.num_hidden_layers, f.num_key_value_heads, num_pages, page_size, f.head_dim)
             self.fk_pool, self.fv_pool = jnp.zeros(fshape, dflash.dtype), jnp.zeros(fshape, dflash.dtype)
+            self.ft_pool = jnp.zeros((1, len(f.target_layer_ids), num_pages, page_size, cfg.hidden_size), model.dtype)
         self.table = np.full((max_batch, self.pages_per_row), SCRATCH, np.int32)
         self.history = np.zeros((max_batch, self.pages_per_row * page_size + SPAN), np.int32)
         self.slots: list[Request | None] = [None] * max_batch
@@ -334,10 +339,9 @@ class Engine:
         rs = RowSampling.of([req.sampling])
         token, bad, kv, fkv = prefill_chunk(m.params, m.config, kv, jnp.asarray(buf), jnp.int32(len(part)),
                                             jnp.uint32(req.seed), rs, sampled=not req.sampling.greedy,
-                                            **self._dflash_args(table))
+                                            **self._prefill_dflash(table))
         self.k_pool, self.v_pool = kv.k, kv.v
-        if fkv is not None:
-            self.fk_pool, self.fv_pool = fkv.k, fkv.v
+        self._keep_dflash(fkv)
         if self.draft is not None:  # the draft model's cache gets the prompt too
             d = self.draft
             dkv = KVCache(self.dk_pool, self.dv_pool, jnp.asarray(table), jnp.array([start], jnp.int32),
@@ -354,13 +358,22 @@ class Engine:
         req.stats.prefill_s += time.perf_counter() - t0
         return int(token) if req.prefilled == len(req.prompt) else None
 
-    def _dflash_args(self, table: np.ndarray) -> dict[str, Any]:
-        """The DFlash drafter's keywords of a compiled call over rows with page table `table`."""
+    def _dflash_state(self, table: np.ndarray, written: np.ndarray) -> DFlashCache:
+        """The DFlash drafter's state over rows with page table `table` and `written` context rows."""
+        kv = KVCache(self.fk_pool, self.fv_pool, jnp.asarray(table), jnp.zeros(table.shape[0], jnp.int32),
+                     page_size=self.page_size)
+        return DFlashCache(kv, self.ft_pool, jnp.asarray(written, jnp.int32))
+
+    def _prefill_dflash(self, table: np.ndarray) -> dict[str, Any]:
+        """prefill_chunk's keywords that stash the target's taps for the DFlash drafter."""
         if self.dflash is None:
             return {}
-        fkv = KVCache(self.fk_pool, self.fv_pool, jnp.asarray(table), jnp.zeros(table.shape[0], jnp.int32),
-                      page_size=self.page_size)
-        return {"fparams": self.dflash.params, "fkv": fkv, "fcfg": self.dflash.cfg}
+        return {"fkv": self._dflash_state(table, np.zeros(1, np.int32)), "taps": self.dflash.cfg.target_layer_ids}
+
+    def _keep_dflash(self, fc: DFlashCache | None) -> None:
+        """Hold the DFlash pools a compiled call returned (its inputs were donated)."""
+        if fc is not None:
+            self.fk_pool, self.fv_pool, self.ft_pool = fc.kv.k, fc.kv.v, fc.taps
 
     def row_counts(self) -> list[int]:
         """The row counts a device call may be compiled for (buckets up to max_batch)."""
@@ -380,22 +393,21 @@ class Engine:
                 target = model is self.model
                 _, _, kv, fkv = prefill_chunk(model.params, model.config, kv, jnp.zeros(PREFILL_CHUNK, jnp.int32),
                                               jnp.int32(1), jnp.uint32(0), rs, sampled=sampled and target,
-                                              **(self._dflash_args(table) if target else {}))
+                                              **(self._prefill_dflash(table) if target else {}))
                 if target:
                     self.k_pool, self.v_pool = kv.k, kv.v
                 else:
                     self.dk_pool, self.dv_pool = kv.k, kv.v
-                if fkv is not None:
-                    self.fk_pool, self.fv_pool = fkv.k, fkv.v
+                self._keep_dflash(fkv)
 
     def _decode(self, decoding: list[Request], new: dict[Request, list[int]]) -> None:
         top = max(r.slot for r in decoding) + 1
         rows = min(next((b for b in ROW_BUCKETS if b >= top), top), self.max_batch)
         live = [r for r in decoding if r.slot < rows]
-        log, dlen, state = self._call(rows, live, any(not r.sampling.greedy for r in live))
+        log, dlen, clen, state = self._call(rows, live, any(not r.sampling.greedy for r in live))
         for r in live:
             b = r.slot
-            r.dlen = int(dlen[b])
+            r.dlen, r.clen = int(dlen[b]), int(clen[b])
             r.state = {"accepted": state["accepted"][b], "judged": state["judged"][b]}
             committed: list[int] = []
             for i in range(log["counts"].shape[0]):
@@ -412,7 +424,7 @@ class Engine:
     def _call(self, rows: int, live: list[Request], sampled: bool) -> tuple:
         """One device call of `rounds` over `rows` rows, the `live` requests in their slots
         (the other rows idle); returns the rounds' log (`rounds.rounds`), the draft cache
-        lengths and the acceptance state."""
+        lengths, the DFlash context rows written and the acceptance state."""
         m = self.model
         size = np.zeros(rows, np.int32)
         budget = np.zeros(rows, np.int32)
@@ -424,6 +436,7 @@ class Engine:
         state = {"accepted": zeros.copy(), "judged": zeros.copy()}
         use = np.zeros((rows, 3), bool)
         dlen = np.zeros(rows, np.int32)
+        clen = np.zeros(rows, np.int32)
         hosted = [r for r in live if r.drafter is not None and r.k]
         n_rounds = 1 if hosted else self.n_rounds  # a host drafter is asked before every round
         given = None
@@ -444,7 +457,7 @@ class Engine:
             self._grow(r, r.length + int(budget[b]) + self.margin)
             listed = sorted(r.stops)[:STOPS]
             stops[b, :len(listed)] = listed
-            row_k[b], seeds[b], settings[b], use[b], dlen[b] = r.k, r.seed, r.sampling, r.use, r.dlen
+            row_k[b], seeds[b], settings[b], use[b], dlen[b], clen[b] = r.k, r.seed, r.sampling, r.use, r.dlen, r.clen
             state["accepted"][b], state["judged"][b] = r.state["accepted"], r.state["judged"]
         idle = np.ones(rows, bool)
         idle[[r.slot for r in live]] = False
@@ -466,7 +479,9 @@ class Engine:
             jnp.asarray(stops), jnp.asarray(row_k), jnp.asarray(use), state,
             jnp.asarray(costs.ratios().reshape(groups, -1), jnp.float32), jnp.asarray(seeds),
             RowSampling.of(settings), None if d is None else d.params, dkv,
-            given=None if given is None else tuple(map(jnp.asarray, given)), **self._dflash_args(table),
+            fhead=self.fhead, given=None if given is None else tuple(map(jnp.asarray, given)),
+            **({} if self.dflash is None else {"fparams": self.dflash.params, "fcfg": self.dflash.cfg,
+                                               "fkv": self._dflash_state(table, clen)}),
             dcfg=None if d is None else d.config, k=self.compiled_k,
             max_ngram=self.spec.max_ngram, min_ngram=self.spec.min_ngram, n_rounds=n_rounds, sampled=sampled,
             sample_drafts=self.sample_drafts, adaptive=self.spec.adaptive)
@@ -475,7 +490,8 @@ class Engine:
             self.dk_pool, self.dv_pool = dkv.k, dkv.v
             dlen = np.asarray(dkv.lengths)
         if fkv is not None:
-            self.fk_pool, self.fv_pool = fkv.k, fkv.v
+            self._keep_dflash(fkv)
+            clen = np.asarray(fkv.written)
         log, bad, state = jax.device_get((log, bad, state))
         elapsed = time.perf_counter() - t0
         if bad:
@@ -487,7 +503,7 @@ class Engine:
             widths = log["width"]
             costs.observe(np.bincount(widths[widths >= 0], minlength=groups * len(steps.BUCKETS)).astype(float),
                           elapsed)
-        return log, dlen, state
+        return log, dlen, clen, state
 
     def _emit(self, req: Request, tokens: list[int], new: dict[Request, list[int]]) -> None:
         """Append committed tokens up to a stop id or max_new_tokens."""

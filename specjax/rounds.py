@@ -38,7 +38,7 @@ from . import steps
 from .checkpoint import Params
 from .config import Qwen3Config
 from .dflash import DFlashConfig
-from .drafters import Head, block_drafts, chain, draft_token, feed, write_context
+from .drafters import DFlashCache, Head, block_drafts, chain, draft_token, feed, stash
 from .kv import KVCache
 from .lookup import ACCEPT_DECAY, PRIOR_ACCEPT, PSEUDO, expected_tokens, find
 from .qwen3 import hidden_states, unembed
@@ -117,7 +117,7 @@ def _score(state: dict, column: jax.Array, drafts: jax.Array, n: jax.Array, out:
 def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, size: jax.Array,
            budget: jax.Array, stops: jax.Array, row_k: jax.Array, use: jax.Array, state: dict, costs: jax.Array,
            seeds: jax.Array, rs: RowSampling, dparams: Params | None = None, dkv: KVCache | None = None,
-           fparams: Params | None = None, fkv: KVCache | None = None, fhead: Head | None = None,
+           fparams: Params | None = None, fkv: DFlashCache | None = None, fhead: Head | None = None,
            given: tuple[jax.Array, jax.Array] | None = None, *,
            dcfg: Qwen3Config | None = None, fcfg: DFlashConfig | None = None, k: int, max_ngram: int,
            min_ngram: int, n_rounds: int, sampled: bool, sample_drafts: bool = False, adaptive: bool = True):
@@ -136,7 +136,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     draft model's chain, then DFlash's block pass); seeds [R]; rs: per-row sampling. With
     a draft model (dparams, dcfg): dkv its cache over the same page table, dkv.lengths the
     committed tokens it holds (at most size). With a DFlash drafter (fparams, fcfg): fkv its
-    context pools over the same page table (its lengths unused), fhead the head of its
+    state (`drafters.DFlashCache`) over the same page table, fhead the head of its
     draft vocabulary (`drafters.draft_head`) or None for the whole vocabulary. sample_drafts: rows with
     temperature > 0 sample the models' drafts. adaptive False: every row drafts in full,
     from a model where it may use one (a fixed-k baseline for the chooser).
@@ -177,7 +177,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             out, count, bad, kv, tapped = _verify(params, cfg, kv, last, drafts, n, live, (src > 0) & drawn, logq,
                                                   seeds, rs, width, sampled, taps)
             if fcfg is not None:
-                fkv = write_context(fparams, fcfg, fkv, tapped, kv.lengths)
+                fkv = stash(fkv, tapped, kv.lengths)
             return (out, count, bad, model_drafts), (kv, dkv, fkv)
         return go
 
@@ -329,21 +329,20 @@ def _fit(x: jax.Array, n: int) -> jax.Array:
     return jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
 
-@partial(jax.jit, static_argnames=("cfg", "sampled", "fcfg"), donate_argnames=("kv", "fkv"))
+@partial(jax.jit, static_argnames=("cfg", "sampled", "taps"), donate_argnames=("kv", "fkv"))
 def prefill_chunk(params: Params, cfg: Qwen3Config, kv: KVCache, tokens: jax.Array, n_valid: jax.Array,
-                  seed: jax.Array, rs: RowSampling, sampled: bool, fparams: Params | None = None,
-                  fkv: KVCache | None = None, fcfg: DFlashConfig | None = None):
+                  seed: jax.Array, rs: RowSampling, sampled: bool, fkv: DFlashCache | None = None,
+                  taps: tuple[int, ...] = ()):
     """Append one chunk [C] (first n_valid real) to the one row of `kv` (its page table
     [1, pages]) and draw the token after it with that row's settings; with a DFlash
-    drafter, the chunk's context rows go into its pools `fkv` too.
+    drafter's state `fkv`, the chunk's target `taps` are stashed there too.
 
-    Returns (token, nan flag, cache with length + n_valid, DFlash pools)."""
+    Returns (token, nan flag, cache with length + n_valid, DFlash state)."""
     start = kv.lengths[0]
     positions = start + jnp.arange(tokens.shape[0])
-    taps = () if fcfg is None else fcfg.target_layer_ids
     h, kv, tapped = hidden_states(params, cfg, tokens[None], positions[None], kv, taps)
-    if fcfg is not None:
-        fkv = write_context(fparams, fcfg, fkv, tapped, kv.lengths)
+    if fkv is not None:
+        fkv = stash(fkv, tapped, kv.lengths)
     logits = unembed(params, cfg, h[0, n_valid - 1][None])
     token = smp.target_tokens_rows(logits, (start + n_valid)[None], seed[None], rs, sampled)[0]
     return token, jnp.any(jnp.isnan(logits)), kv.replace(lengths=kv.lengths + n_valid), fkv

@@ -14,7 +14,7 @@ import specjax
 from specjax import Sampling, dflash, qwen3, sampling as smp
 from specjax.adaptive import Adaptive
 from specjax.dflash import DFlashError, load_dflash, save_dflash
-from specjax.drafters import block_drafts, block_logits, draft_head, write_context
+from specjax.drafters import DFlashCache, block_drafts, block_logits, catch_up, draft_head, stash, write_context
 from specjax.engine import Engine, Speculation
 from specjax.kv import KVCache
 from specjax.proposers import DFlashProposer, NgramProposer, ProposerError
@@ -37,9 +37,10 @@ def deep(tmp_path_factory):
 
 
 def test_paged_context_and_block_equal_the_single_sequence_drafter(tiny, rng):
-    """Two rows of different lengths whose pages lie shuffled in one pool: context rows
-    written from the target's taps and one block pass give the logits of `draft_block` over
-    a contiguous context cache built by `append_context` (tested against NumPy in
+    """Two rows of different lengths whose pages lie shuffled in one pool: the target's
+    taps stashed a chunk at a time (as prefill and verify steps do), the context caught up
+    (90 rows: two catch-up steps) and one block pass give the logits of `draft_block` over a
+    contiguous context cache built by `append_context` (tested against NumPy in
     test_dflash)."""
     model = tiny[2]
     cfg = model.config
@@ -50,16 +51,20 @@ def test_paged_context_and_block_equal_the_single_sequence_drafter(tiny, rng):
     order = rng.permutation(np.arange(1, 2 * per_row + 1))
     table = order.reshape(2, per_row).astype(np.int32)
     shape = (d.num_hidden_layers, d.num_key_value_heads, 2 * per_row + 1, page, d.head_dim)
-    fkv = KVCache(jnp.zeros(shape), jnp.zeros(shape), jnp.asarray(table), jnp.zeros(2, jnp.int32), page_size=page)
+    kv = KVCache(jnp.zeros(shape), jnp.zeros(shape), jnp.asarray(table), jnp.zeros(2, jnp.int32), page_size=page)
+    fc = DFlashCache(kv, jnp.zeros((1, 2, 2 * per_row + 1, page, cfg.hidden_size)), jnp.zeros(2, jnp.int32))
     rows = [rng.integers(0, cfg.vocab_size, n + 1).astype(np.int32) for n in lengths]
-    for b, ids in enumerate(rows):  # each row's committed context, written as prefill writes it
+    for b, ids in enumerate(rows):  # each row's committed tokens, stashed in chunks of 16
         _, _, taps = qwen3.hidden_states(model.params, cfg, ids[None, :-1], np.arange(len(ids) - 1)[None],
                                          taps=d.target_layer_ids)
-        written = write_context(drafter.params, d, fkv.replace(page_table=fkv.page_table[b:b + 1]), taps,
-                                jnp.zeros(1, jnp.int32))
-        fkv = fkv.replace(k=written.k, v=written.v)
+        one = fc.replace(kv=fc.kv.replace(page_table=fc.kv.page_table[b:b + 1]))
+        for at in range(0, lengths[b], 16):
+            one = stash(one, taps[:, :, at:at + 16], jnp.array([at]))
+        fc = fc.replace(taps=one.taps)
+    fc = catch_up(drafter.params, d, fc, jnp.array(lengths))
+    assert fc.written.tolist() == lengths
     last = jnp.array([ids[-1] for ids in rows])
-    got, _ = block_logits(drafter.params, d, fkv, model.params, cfg, last, jnp.array(lengths), k=15)
+    got, _ = block_logits(drafter.params, d, fc.kv, model.params, cfg, last, jnp.array(lengths), k=15)
     for b, ids in enumerate(rows):
         n = lengths[b]
         _, _, taps = qwen3.hidden_states(model.params, cfg, ids[None, :-1], np.arange(n)[None],
@@ -96,8 +101,9 @@ def test_draft_vocabulary_drafts_are_the_full_heads_argmax_within_it(tiny, rng):
     full, _ = block_logits(drafter.params, d, fkv, model.params, cfg, last, start, k=7)
     head = draft_head(model.params, cfg, vocab)
     rs = smp.RowSampling.of([Sampling(), Sampling(0.9, top_k=10)])
+    fc = DFlashCache(fkv, jnp.zeros((1, 1, 9, page, cfg.hidden_size)), start)  # context written up to start
     for sample in (False, True):
-        drafts, logq, _ = block_drafts(drafter.params, d, fkv, model.params, cfg, last, start, 7,
+        drafts, logq, _ = block_drafts(drafter.params, d, fc, model.params, cfg, last, start, 7,
                                        jnp.array([1, 2], jnp.uint32), rs, jnp.array([False, sample]), sample, head)
         drafts = np.asarray(drafts)
         assert np.isin(drafts, vocab).all()
