@@ -161,7 +161,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
 
     def branch(width):
         def go(carry, size, last, candidates, logqs, first, first_logq, src, n, live, subset):
-            kv, dkv, fkv = carry
+            kv, dkv = carry
             if dcfg is not None:
                 model_drafts, logq = first[:, None], None if first_logq is None else first_logq[:, None]
                 if k > 1:
@@ -176,9 +176,9 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             logq = _by_source(src - 1, logqs) if sample_drafts and models else None
             out, count, bad, kv, tapped = _verify(params, cfg, kv, last, drafts, n, live, (src > 0) & drawn, logq,
                                                   seeds, rs, width, sampled, taps)
-            if fcfg is not None:
-                fkv = stash(fkv, tapped, kv.lengths)
-            return (out, count, bad, model_drafts), (kv, dkv, fkv)
+            if tapped is not None:  # padded to SPAN, so every width returns one shape
+                tapped = jnp.pad(tapped, ((0, 0), (0, 0), (0, SPAN - width), (0, 0)))
+            return (out, count, bad, model_drafts, tapped), (kv, dkv)
         return go
 
     def feed_at(width):
@@ -269,9 +269,11 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                                                             kv.lengths)
             candidates.append(_fit(block_drafts_, k))
             logqs.append(None if block_logq is None else _fit(block_logq, k))
-        (out, count, nan, model_drafts), (kv, dkv, fkv) = steps.switch(
-            pick, [branch(w) for w in widths], (kv, dkv, fkv), size, last, candidates, logqs, first, first_logq,
+        (out, count, nan, model_drafts, tapped), (kv, dkv) = steps.switch(
+            pick, [branch(w) for w in widths], (kv, dkv), size, last, candidates, logqs, first, first_logq,
             src, n, live, subset)
+        if fcfg is not None:  # (taps past the step's width are stale: positions nothing has committed)
+            fkv = stash(fkv, tapped, kv.lengths)
         # score every lookup (a plain step judges its first draft) and every model draft made
         judged = jnp.where(pick > 0, room[pick], 1)
         if k:
