@@ -230,9 +230,9 @@ def _prompt_ids(args, tokenizer, folder: Path) -> list[int]:
 
 
 def _proposer(args, target):
-    """The proposer the flags ask for. Prompt lookup alone runs on the device
-    (`LookupProposer`, k chosen per step); several proposers, or any k of `auto`, make an
-    Adaptive one (prompt lookup among them is judged every step: it is free to ask)."""
+    """The proposer the flags ask for; every one drafts inside the engine's device round.
+    Prompt lookup alone is a `LookupProposer` (k chosen per round); several proposers, or
+    any k of `auto`, make an Adaptive one, chosen among per row and round."""
     import jax
 
     from .adaptive import Adaptive

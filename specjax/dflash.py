@@ -16,10 +16,10 @@ Runtime parameter tree (the checkpoint mapping of checkpoint.py, prefix `layers.
                                      params["layers"][i][<name>] (inference, as loaded), q/k/v
                                      and gate/up fused exactly as for the target
 
-Context cache: per drafter layer the K (k_norm + RoPE at the row's absolute position)
-and V of every committed context row, slot = absolute position. Block rows are never
-kept, so drafting only reads the cache; appending writes rows and grows `length` by the
-committed count (rows past it are overwritten by the next append, as in kv.py).
+Single-sequence reference (`ContextCache`, `append_context`, `draft_block`): per drafter
+layer the K (k_norm + RoPE at the row's absolute position) and V of every committed
+context row, slot = absolute position; block rows are never kept, so drafting only reads
+the cache. The engine runs the same pieces over paged pools (`specjax.drafters`).
 
 Training (`block_logits`) runs many blocks of one sequence in one packed pass under
 `block_mask`, recomputing context K/V from the features with the same pieces, so each
@@ -40,12 +40,10 @@ import numpy as np
 from flax import struct
 
 from . import checkpoint, cpu_kernels
-from . import sampling as smp
 from .checkpoint import LAYERS, CheckpointError, Params
 from .config import ConfigError, Qwen3Config, read_json, typed
 from .model import Model
 from .qwen3 import attend_masked, linear, mlp, rms_norm, rope, unembed
-from .sampling import Sampling
 
 ARCHITECTURE = "DFlashDraftModel"
 VOCAB_FILE = "draft_vocab.json"  # {"token_ids": [...]}: a Drafter's vocab, when it has one
@@ -424,27 +422,6 @@ def append_context(params: Params, cfg: DFlashConfig, cache: ContextCache, featu
         length=cache.length + count.astype(jnp.int32))
 
 
-def init_stash(cfg: DFlashConfig, capacity: int, dtype: Any = jnp.float32) -> jax.Array:
-    """A buffer [capacity, n, D] for target taps not yet turned into context rows."""
-    return jnp.zeros((capacity, len(cfg.target_layer_ids), cfg.hidden_size), dtype)
-
-
-@partial(jax.jit, donate_argnames=("stash",))
-def stash_features(stash: jax.Array, features: jax.Array, start: jax.Array) -> jax.Array:
-    """Keep taps [n, T, D] at slots start .. start+T-1 of the stash: a copy, no drafter work."""
-    slots = start + jnp.arange(features.shape[1])
-    return stash.at[slots].set(features.transpose(1, 0, 2).astype(stash.dtype), mode="drop")
-
-
-@partial(jax.jit, static_argnames=("cfg", "width"), donate_argnames=("cache",))
-def append_stashed(params: Params, cfg: DFlashConfig, cache: ContextCache, stash: jax.Array, count: jax.Array,
-                   width: int) -> ContextCache:
-    """append_context of the `count` (<= width) stashed rows from the cache's length on."""
-    positions = cache.length + jnp.arange(width, dtype=jnp.int32)
-    features = jnp.take(stash, positions, axis=0, mode="fill", fill_value=0).transpose(1, 0, 2)
-    return append_context(params, cfg, cache, features, count, positions)
-
-
 @partial(jax.jit, static_argnames=("cfg", "target_cfg", "k"))
 def draft_block(params: Params, cfg: DFlashConfig, cache: ContextCache, target_params: Params,
                 target_cfg: Qwen3Config, last_token: jax.Array, start: jax.Array, k: int) -> jax.Array:
@@ -495,20 +472,3 @@ def block_logits(params: Params, cfg: DFlashConfig, target_params: Params, targe
     q_pos = (anchors[:, None] + jnp.arange(b, dtype=jnp.int32)).reshape(-1)  # [N*B]
     h = _block_pass(params, cfg, x, q_pos, ctx_k, ctx_v, block_mask(anchors, b, t))
     return unembed(target_params, target_cfg, h.reshape(n_blocks, b, -1)[:, 1:].astype(embed.dtype))
-
-
-@partial(jax.jit, static_argnames=("cfg", "target_cfg", "k", "sampling"))
-def draft_tokens(params: Params, cfg: DFlashConfig, cache: ContextCache, target_params: Params,
-                 target_cfg: Qwen3Config, last_token: jax.Array, start: jax.Array, seed: jax.Array,
-                 k: int, sampling: Sampling | None = None) -> tuple[jax.Array, jax.Array | None]:
-    """k drafts after `last_token`: argmax per block row (sampling None), or one independent
-    draw per row from its transformed q with the DRAFT stream at the token's absolute position.
-
-    Returns (drafts [k] int32, logq [k, V] when sampling else None).
-    """
-    logits = draft_block(params, cfg, cache, target_params, target_cfg, last_token, start, k)
-    if sampling is None:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
-    logq = smp.transform(logits, sampling)
-    keys = jax.vmap(lambda p: smp.position_key(seed, smp.DRAFT, p))(start + 1 + jnp.arange(k))
-    return jax.vmap(smp.sample)(logq, keys), logq

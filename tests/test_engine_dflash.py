@@ -79,6 +79,32 @@ def _prompts(rng, vocab):
             repeating_prompt(rng, vocab, period=9)]
 
 
+def test_context_rows_after_rejected_drafts_are_those_of_the_committed_tokens(deep, rng):
+    """Mid-generation, after rounds whose drafts were partly rejected: the context rows the
+    engine has written for a row (positions below its count) equal `append_context` over
+    a fresh forward of its committed tokens."""
+    target, drafter = deep
+    d = drafter.cfg
+    engine = Engine(target, Speculation(k=7, adaptive=False), dflash=drafter, max_batch=2, max_len=256, rounds=4)
+    reqs = [engine.submit(p, max_new_tokens=120, stop_ids=(), lookup=False)
+            for p in (rng.integers(0, 101, 70), rng.integers(0, 101, 9))]
+    for _ in range(3):
+        engine.step()
+    assert any(r.stats.accepted < r.stats.drafted for r in reqs)  # drafts were rejected
+    for r in reqs:
+        assert not r.done and r.clen > len(r.prompt)
+        ids = np.concatenate([r.prompt, r.tokens]).astype(np.int32)[:r.clen]
+        _, _, taps = qwen3.hidden_states(target.params, target.config, ids[None], np.arange(r.clen)[None],
+                                         taps=d.target_layer_ids)
+        want = dflash.append_context(drafter.params, d, dflash.init_cache(d, 256), taps[:, 0], r.clen,
+                                     np.arange(r.clen))
+        slots = np.asarray(engine.table[r.slot])[:, None] * engine.page_size + np.arange(engine.page_size)
+        slots = slots.reshape(-1)[:r.clen]
+        for pool, ref in ((engine.fk_pool, want.k), (engine.fv_pool, want.v)):
+            got = np.asarray(pool).reshape(d.num_hidden_layers, d.num_key_value_heads, -1, d.head_dim)[:, :, slots]
+            np.testing.assert_allclose(got, np.asarray(ref)[:, :, :r.clen], atol=1e-5, rtol=1e-5)
+
+
 def _some_vocab(rng, vocab_size: int, size: int) -> np.ndarray:
     return np.sort(rng.choice(vocab_size, size, replace=False)).astype(np.int32)
 
