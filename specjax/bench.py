@@ -154,8 +154,8 @@ def _hf_runner(cfg: BenchConfig) -> Callable | None:
 # ---------------------------------------------------------------- step-cost profile
 
 # Qwen3-4B's published shape (tied embeddings, 36 layers); weights are random for timing.
-# The S config of issue 10 (reference/cpu-facts.md: 29.4M parameters, 117.5 MB in f32),
-# whose f32 decode llama.cpp runs at the bandwidth floor on a 2-core CPU.
+# The S config (docs/performance.md): 29.4M parameters, 117.5 MB in f32, a size whose f32
+# decode llama.cpp runs at about the weight-bytes floor on a 2-core CPU.
 S_SHAPE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True)
 QWEN3_4B_SHAPE = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,

@@ -1,4 +1,4 @@
-"""DFlash drafter (block diffusion, z-lab's public checkpoint format; reference/dflash.md).
+"""DFlash drafter (block diffusion, arXiv:2602.06036; the checkpoint format of z-lab/dflash).
 
 A drafter is a few Qwen3 layers with no embedding or head of its own. It reads the
 target's residual stream at `target_layer_ids`, projects each committed position to one
@@ -48,7 +48,7 @@ from .qwen3 import attend_masked, linear, mlp, rms_norm, rope, unembed
 ARCHITECTURE = "DFlashDraftModel"
 VOCAB_FILE = "draft_vocab.json"  # {"token_ids": [...]}: a Drafter's vocab, when it has one
 DRAFT_LAYERS = "layers"
-# Newer-code options (dflash.md 1.2) whose non-default values we do not run.
+# Options of newer z-lab/dflash code (`dflash/model.py`) whose non-default values we do not run.
 _DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": 0.0,
              "is_causal": False}
 
@@ -58,7 +58,7 @@ class DFlashError(CheckpointError):
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
-    """z-lab's `build_target_layer_ids`: spread from layer 1 to layer L-3 (dflash.md 1.5).
+    """z-lab/dflash's `build_target_layer_ids`: spread from layer 1 to layer L-3.
     It is what a checkpoint without target_layer_ids was trained with, so it is kept as is,
     even where shallow targets make it repeat or leave the layers."""
     if num_draft_layers == 1:
@@ -223,7 +223,7 @@ class Drafter:
 
 
 def hf_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the public checkpoint with its shape (dflash.md 1.3)."""
+    """Every tensor of a z-lab DFlash checkpoint with its shape (as in z-lab/Qwen3-4B-DFlash-b16)."""
     shapes = {f"{DRAFT_LAYERS}.{i}.{name}": shape for i in range(cfg.num_hidden_layers)
               for name, shape in checkpoint.layer_shapes(cfg.layer_config).items()}
     d = cfg.hidden_size

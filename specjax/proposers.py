@@ -84,7 +84,7 @@ class DFlashProposer:
 
     k defaults to the largest the drafter and the verify buckets allow, min(B - 1, 15).
     With sample=True (and non-greedy sampling) each draft is drawn independently from its
-    own row's transformed q. Known weakness (dflash.md section 4, z-lab PR #169): rows are
+    own row's transformed q. Known weakness (z-lab/dflash pull request #169): rows are
     not conditioned on each other's samples, so sampled blocks are less coherent and are
     accepted less often than argmax drafts, which stay exact through sample-and-match.
     The engine checks that the drafter fits the target.

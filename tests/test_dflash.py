@@ -1,5 +1,5 @@
 """DFlash drafter: public checkpoint format, forward parity with a NumPy re-derivation of
-reference/dflash.md section 2.2, the context cache, and speculative exactness."""
+z-lab/dflash's drafter forward (`dflash/model.py`), the context cache, and speculative exactness."""
 
 import dataclasses
 import json
@@ -18,7 +18,7 @@ from specjax.proposers import DFlashProposer, ProposerError
 from specjax.sampling import Sampling
 
 SAMPLED = Sampling(temperature=0.8, top_k=40, top_p=0.9)
-# scaled-down z-lab config (dflash.md 1.1) for the tiny target of conftest (D 64, 3 layers, V 101);
+# scaled-down z-lab config (z-lab/Qwen3-4B-DFlash-b16's config.json) for the tiny target of conftest (D 64, 3 layers, V 101);
 # the drafter's own head geometry differs from the target's on purpose
 HANDMADE = {
     "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
@@ -33,7 +33,7 @@ HANDMADE = {
 
 
 def _handmade_tensors(raw, rng):
-    """Random weights named and shaped as in dflash.md 1.3, rounded to bf16 as published."""
+    """Random weights named and shaped as in z-lab's published checkpoints, rounded to bf16 as published."""
     d, f, e = raw["hidden_size"], raw["intermediate_size"], raw["head_dim"]
     q, kv = raw["num_attention_heads"] * e, raw["num_key_value_heads"] * e
     shapes = {"fc.weight": (d, len(raw["dflash_config"]["target_layer_ids"]) * d),

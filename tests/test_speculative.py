@@ -1,4 +1,4 @@
-"""The exactness contract of speculative decoding (DESIGN.md): greedy and sampled."""
+"""The exactness contract of speculative decoding (README.md, first section): greedy and sampled."""
 
 import itertools
 

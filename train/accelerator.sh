@@ -13,7 +13,7 @@
 # ends inside the budget; a timeout (SIGTERM makes the trainer save) guards the rest.
 # Orbax state stays outside $OUT (it is 3x the model); $OUT gets the bf16 export
 # (`tiny-code/`, the layout of checkpoints/tiny-code), `eval.json` and the logs.
-# Two cores train ~940 tok/s; a few minutes of a GPU are hours here (issue 3).
+# Two cores train ~940 tok/s; a few minutes of a GPU are hours here.
 set -euo pipefail
 MINUTES=${1:-6}
 DATA=${2:-runs/data-s19}

@@ -1,6 +1,6 @@
 """Train a DFlash drafter for a Qwen3 target: ``python -m train.dflash --target DIR --out DIR``.
 
-The recipe of reference/dflash.md section 5, sized by flags:
+The DFlash paper's recipe (arXiv:2602.06036), sized by flags:
 
 1. Data (:mod:`train.dflash_data`): the target's replies to training-corpus prompts,
    generated once into ``--data`` (resumable token shards).
@@ -51,7 +51,7 @@ from train.data import load_shard
 from train.dflash_data import DataConfig, Sequences, generate_data
 from train.prompts import completion_prompts, edit_prompts
 
-GAMMAS = {8: 4.0, 10: 5.0, 16: 7.0}  # loss decay per block size (dflash.md section 5)
+GAMMAS = {8: 4.0, 10: 5.0, 16: 7.0}  # loss decay per block size (the DFlash paper, arXiv:2602.06036)
 
 
 def default_gamma(block_size: int) -> float:

@@ -1,12 +1,13 @@
 """DFlash training data: the target's own responses to training-corpus prompts.
 
-The drafter must learn what the target says, not what the corpus says (dflash.md
-section 5), so every sequence is a prompt from the training split followed by the
-target's reply (greedy, or sampled with ``--sample``), decoded ``gen_batch`` prompts at
-a time by :func:`replies`. Prompts are ``prompt_len`` tokens: random windows of the training token
-shard, and for a share ``edit_share`` of them a window followed by a rename-edit prompt
-cut from a training file (the copy-heavy workload). Replies stop at an eos id and are
-padded with it to ``response_len``.
+The drafter must learn what the target says, not what the corpus says (the DFlash paper,
+arXiv:2602.06036, regenerates its training replies with the target), so every sequence
+is a prompt from the training split followed by the target's reply (greedy, or sampled
+with ``--sample``), decoded ``gen_batch`` prompts at a time by :func:`replies`. Prompts
+are ``prompt_len`` tokens: random windows of the training token shard, and for a share
+``edit_share`` of them a window followed by a rename-edit prompt cut from a training
+file (the copy-heavy workload). Replies stop at an eos id and are padded with it to
+``response_len``.
 
 Layout of a data folder::
 
