@@ -253,8 +253,8 @@ def _proposer(args, target):
         k = None if args.dflash_k in (None, "auto") else args.dflash_k
         chosen.append((DFlashProposer(load_dflash(args.dflash, target), k=k, sample=args.sample_drafts), args.dflash_k))
     # default: adaptive prompt lookup, plus the shipped sibling drafters off CPU. Measured
-    # (docs/performance.md): on CPU a DFlash pass costs ~1.1 target steps and a width-8
-    # verify ~2.2, so its probes and context catch-up cost more than it wins over lookup.
+    # (docs/performance.md, section 4): on CPU a DFlash round costs ~2.9 plain rounds, so
+    # the shipped drafter (tau ~2) loses to plain decoding and to lookup alone.
     if not chosen:
         chosen = [(NgramProposer(k=15), "auto")]
         model_dir = args.model or default_model()

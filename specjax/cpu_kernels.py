@@ -1,5 +1,5 @@
 """Small C++ kernels (XLA FFI) for the steps of decoding on CPU, where XLA:CPU is far from
-the memory-bandwidth floor (docs/performance.md, fourth and seventh passes):
+the memory-bandwidth floor (docs/performance.md, sections 2 and 3):
 
 - `paged_attention`: attention of a step's few queries over the paged KV pool, read in
   place. XLA copies each layer's pool slab and runs YNNPACK batched matmuls at 1-3 GB/s:

@@ -72,7 +72,7 @@ def attend_causal(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array
     The keys past a block are masked for all its queries anyway (positions increase), so
     this is the same softmax minus exactly-zero terms; it skips ~(1 - 1/n)/2 of the scores
     for n blocks, and their [B, K, T*G, T] float32 buffers, which training keeps for the
-    backward pass (docs/performance.md, "The training step").
+    backward pass (docs/performance.md, "Loading and training").
     """
     starts = range(0, q.shape[1], block)
     return jnp.concatenate([attend(q[:, s:s + block], k[:, :, :s + block], v[:, :, :s + block],
