@@ -40,6 +40,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import runtime
+
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_attention.cc", "matmul.cc", "kv_write.cc")
 TARGETS = {"specjax_paged_attention": "SpecjaxPagedAttention", "specjax_matmul": "SpecjaxMatmul",
@@ -65,13 +67,14 @@ def _kernel_dir() -> Path:
 
 
 def _build() -> Path:
-    """The compiled library for these sources, compiler flags and jax version (built once)."""
+    """The compiled library for these sources, compiler flags, jax version and this
+    machine's CPU (built once: -march=native code may not run on another CPU)."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise RuntimeError("no C++ compiler found (set $CXX)")
     include = jax.ffi.include_dir()
     files = sorted(CSRC.glob("*.h")) + [CSRC / name for name in SOURCES]
-    digest = hashlib.sha256(repr((cxx, FLAGS, jax.__version__)).encode())
+    digest = hashlib.sha256(repr((cxx, FLAGS, jax.__version__, runtime.host_key())).encode())
     for f in files:
         digest.update(f.read_bytes())
     lib = _kernel_dir() / f"specjax-kernels-{digest.hexdigest()[:16]}.so"

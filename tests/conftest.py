@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-os.environ.setdefault("SPECJAX_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax"))
+# One compilation cache per test worker: JAX writes an entry in place, and a worker reading
+# another's half-written entry aborted in compilation_cache.get_executable_and_time (-n 2).
+os.environ.setdefault("SPECJAX_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax" /
+                                               os.environ.get("PYTEST_XDIST_WORKER", "main")))
 
 import numpy as np
 import pytest
