@@ -132,7 +132,8 @@ class Engine:
     rows when `sample_drafts`). `max_batch` rows run
     at once; each holds up to `max_len` tokens; the pool has `num_pages` pages of
     `page_size` slots (default: every row can reach max_len), shared by the target's and
-    the draft model's caches. `rounds` is R, the speculative rounds per device call.
+    the draft model's caches. `rounds` is R, the speculative rounds per device call
+    (R / 4 while a request is joining, so its prefill chunks come sooner).
     """
 
     def __init__(self, model: Model, speculative: Speculation | int | None = None, *, draft: Model | None = None,
@@ -195,6 +196,7 @@ class Engine:
             self.model_costs.append(("block", (weight_bytes(dflash.params) + head) / target_bytes,
                                      dflash.cfg.block_size))
         self.max_batch, self.page_size, self.n_rounds = max_batch, page_size, rounds
+        self.join_rounds = max(1, rounds // 4)
         self.max_len = max_len
         # slots a row may write past its length in a round: a verify step, a DFlash block
         self.margin = max(SPAN, dflash.cfg.block_size if dflash is not None else 0)
@@ -284,8 +286,9 @@ class Engine:
     # ------------------------------------------------------------------ one step
     def step(self) -> dict[Request, list[int]]:
         """Admit what fits, prefill one chunk of a joining request (all of them while
-        nothing is decoding), run one device call over the decoding rows; returns the
-        tokens each request committed."""
+        nothing is decoding), run one device call over the decoding rows (a quarter of
+        the rounds while a request is still joining or could join); returns the tokens
+        each request committed."""
         new: dict[Request, list[int]] = {}
         self._admit()
         joining = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt)]
@@ -301,7 +304,9 @@ class Engine:
                 break
         decoding = [r for r in decoding if not r.done]
         if decoding:
-            self._decode(decoding, new)
+            short = any(r is not None and r.prefilled < len(r.prompt) for r in self.slots) or bool(
+                self.queue and None in self.slots and self.pages.can_reserve(self.queue[0].reserved))
+            self._decode(decoding, new, short)
         return new
 
     def _admit(self) -> None:
@@ -400,11 +405,11 @@ class Engine:
                     self.dk_pool, self.dv_pool = kv.k, kv.v
                 self._keep_dflash(fkv)
 
-    def _decode(self, decoding: list[Request], new: dict[Request, list[int]]) -> None:
+    def _decode(self, decoding: list[Request], new: dict[Request, list[int]], short: bool = False) -> None:
         top = max(r.slot for r in decoding) + 1
         rows = min(next((b for b in ROW_BUCKETS if b >= top), top), self.max_batch)
         live = [r for r in decoding if r.slot < rows]
-        log, dlen, clen, state = self._call(rows, live, any(not r.sampling.greedy for r in live))
+        log, dlen, clen, state = self._call(rows, live, any(not r.sampling.greedy for r in live), short)
         for r in live:
             b = r.slot
             r.dlen, r.clen = int(dlen[b]), int(clen[b])
@@ -421,9 +426,9 @@ class Engine:
                 committed += [int(x) for x in log["tokens"][i, b, :c]]
             self._emit(r, committed, new)
 
-    def _call(self, rows: int, live: list[Request], sampled: bool) -> tuple:
-        """One device call of `rounds` over `rows` rows, the `live` requests in their slots
-        (the other rows idle); returns the rounds' log (`rounds.rounds`), the draft cache
+    def _call(self, rows: int, live: list[Request], sampled: bool, short: bool = False) -> tuple:
+        """One device call of `rounds` (a quarter of them when `short`) over `rows` rows, the
+        `live` requests in their slots (the other rows idle); returns the rounds' log (`rounds.rounds`), the draft cache
         lengths, the DFlash context rows written and the acceptance state."""
         m = self.model
         size = np.zeros(rows, np.int32)
@@ -438,7 +443,9 @@ class Engine:
         dlen = np.zeros(rows, np.int32)
         clen = np.zeros(rows, np.int32)
         hosted = [r for r in live if r.drafter is not None and r.k]
-        n_rounds = 1 if hosted else self.n_rounds  # a host drafter is asked before every round
+        # a host drafter is asked before every round; joining requests get their next prefill
+        # chunk after a quarter of the rounds (one compiled call: the count is traced)
+        n_rounds = 1 if hosted else self.join_rounds if short else self.n_rounds
         given = None
         if hosted:
             given = (np.zeros((rows, self.compiled_k), np.int32), np.full(rows, -1, np.int32))
@@ -483,7 +490,8 @@ class Engine:
             **({} if self.dflash is None else {"fparams": self.dflash.params, "fcfg": self.dflash.cfg,
                                                "fkv": self._dflash_state(table, clen)}),
             dcfg=None if d is None else d.config, k=self.compiled_k,
-            max_ngram=self.spec.max_ngram, min_ngram=self.spec.min_ngram, n_rounds=n_rounds, sampled=sampled,
+            limit=jnp.int32(n_rounds), max_ngram=self.spec.max_ngram, min_ngram=self.spec.min_ngram,
+            n_rounds=self.n_rounds, sampled=sampled,
             sample_drafts=self.sample_drafts, adaptive=self.spec.adaptive)
         self.k_pool, self.v_pool = kv.k, kv.v
         if dkv is not None:

@@ -118,10 +118,11 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
            budget: jax.Array, stops: jax.Array, row_k: jax.Array, use: jax.Array, state: dict, costs: jax.Array,
            seeds: jax.Array, rs: RowSampling, dparams: Params | None = None, dkv: KVCache | None = None,
            fparams: Params | None = None, fkv: DFlashCache | None = None, fhead: Head | None = None,
-           given: tuple[jax.Array, jax.Array] | None = None, *,
+           given: tuple[jax.Array, jax.Array] | None = None, limit: jax.Array | None = None, *,
            dcfg: Qwen3Config | None = None, fcfg: DFlashConfig | None = None, k: int, max_ngram: int,
            min_ngram: int, n_rounds: int, sampled: bool, sample_drafts: bool = False, adaptive: bool = True):
-    """Up to `n_rounds` speculative rounds over R rows (module docstring).
+    """Up to `n_rounds` speculative rounds over R rows (module docstring), or up to the
+    traced `limit` (a scalar, at most n_rounds): fewer rounds without a new compile.
 
     history [R, H]: each row's committed tokens (prompt and output), size [R] of them, the
     last being the one the next step feeds (the target cache holds the others); budget
@@ -306,7 +307,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
 
     def more(c):
         made, i, stopped = c[5], c[6], c[9]
-        return (i < n_rounds) & jnp.any((made < budget) & ~stopped)
+        going = (i < n_rounds) if limit is None else (i < jnp.minimum(limit, n_rounds))
+        return going & jnp.any((made < budget) & ~stopped)
 
     log = {"tokens": jnp.zeros((n_rounds, rows, SPAN), jnp.int32),
            "counts": jnp.zeros((n_rounds, rows), jnp.int32), "drafts": jnp.zeros((n_rounds, rows), jnp.int32),
