@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# No persistent compilation cache under test: in full runs (-n 2) a worker died in JAX's
-# cache, reading (SIGABRT in compilation_cache.get_executable_and_time) or writing (SIGSEGV
-# in put_executable_and_time) an engine call's executable, each time in the same test, which
-# passes alone. Compiled CPU kernels still go to ~/.cache/specjax/kernels.
-os.environ.setdefault("SPECJAX_CACHE_DIR", "off")
+# One compilation cache per test worker: JAX writes an entry in place, and a worker reading
+# another's half-written entry aborted in compilation_cache.get_executable_and_time (-n 2).
+os.environ.setdefault("SPECJAX_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax" /
+                                               os.environ.get("PYTEST_XDIST_WORKER", "main")))
 
 import numpy as np
 import pytest
