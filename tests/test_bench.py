@@ -138,7 +138,7 @@ def test_concurrency_run_writes_every_cell_and_stays_exact(tmp_path):
               f"bench_batch.run(bench_batch.ConcurrencyConfig(model=Path({str(target)!r}), levels=(1, 3), "
               f"workloads=('edit',), fixed_ks=(4,), prompt_tokens=96, new_tokens=10, reps=1, precompile=False, "
               f"hf=False, out=Path({str(tmp_path / 'out')!r})), log=lambda s: None)")
-    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).resolve().parents[1], timeout=500)
     res = json.loads((tmp_path / "out" / "concurrency.json").read_text())
     cells = {(c["sampling"], c["concurrency"]): c for c in res["cells"]}
     assert set(cells) == {(s, c) for s in ("greedy", "sampled") for c in (1, 3)}

@@ -346,7 +346,7 @@ def test_sigterm_lets_a_running_stream_finish(model, tokenizer):
             time.sleep(0.1)
         base = found[0].group(1)
         want = alone(model, tokenizer, ids_of(tokenizer, PROMPTS[5]), 96, stop_ids=())[0]
-        stream = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0).completions.create(
+        stream = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120).completions.create(
             model="tiny-code", prompt=PROMPTS[5], max_tokens=96, temperature=0, stream=True,
             extra_body={"ignore_eos": True})
         text = next(stream).choices[0].text

@@ -136,7 +136,8 @@ def test_stage_commands_name_a_missing_input_and_exit_2(tmp_path):
                         ([*shards, "--rename-weight", "-1"], "must be >= 0"),
                         (["train.evaluate", "--model", str(tmp_path / "gone")], "gone: not a directory"),
                         (["train.evaluate", "--edits", "-1"], "--edits must be >= 0")):
-        proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, cwd=tmp_path)
+        proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, cwd=tmp_path,
+                              timeout=300)
         assert proc.returncode == 2, proc.stderr
         assert f"python -m {argv[0]}: error:" in proc.stderr and named in proc.stderr
         assert "Traceback" not in proc.stderr
