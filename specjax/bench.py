@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from train.prompts import WORKLOADS, workload
 
 from .adaptive import Adaptive
 from .checkpoint import weight_bytes
@@ -28,6 +27,7 @@ from .lookup import LookupProposer
 from .model import Model, load
 from .proposers import DraftProposer, NgramProposer
 from .sampling import Sampling
+from .workloads import WORKLOADS, workload
 
 SAMPLINGS = {"greedy": Sampling(), "sampled": Sampling(temperature=0.6, top_k=20, top_p=0.95)}
 

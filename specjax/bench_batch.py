@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from train.prompts import WORKLOADS, workload
 
 from .engine import Engine, Speculation
 from .model import Model, load
 from .sampling import Sampling
+from .workloads import WORKLOADS, workload
 
 SAMPLINGS = {"greedy": Sampling(), "sampled": Sampling(temperature=0.6, top_k=20, top_p=0.95)}
 

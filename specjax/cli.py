@@ -92,7 +92,7 @@ def _add_generate(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    from train.prompts import WORKLOADS
+    from .workloads import WORKLOADS
 
     p = sub.add_parser("bench", help="speedup per proposer and k, side by side with transformers")
     p.add_argument("--model", type=Path, default=None, help="target folder (default: checkpoints/tiny-code)")
@@ -448,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .proposers import ProposerError
     from .sampling import SamplingError
     from .sharding import ShardingError
-    from train.prompts import PromptError
+    from .workloads import PromptError
 
     try:
         if args.command == "generate":

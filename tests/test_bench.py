@@ -11,7 +11,7 @@ import pytest
 import specjax
 from specjax import bench, checkpoint
 from specjax.config import Qwen3Config
-from train.prompts import workload
+from specjax.workloads import workload
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-code"
 

@@ -6,8 +6,9 @@ import zlib
 
 import numpy as np
 
+from specjax import workloads
+from specjax.edits import INSTRUCTION, edit_examples, render_prompt, rename_identifier
 from train import corpus, data
-from train.edits import INSTRUCTION, edit_examples, render_prompt, rename_identifier
 
 
 def _stripped_lines(text: str) -> str:
@@ -15,24 +16,24 @@ def _stripped_lines(text: str) -> str:
 
 
 def test_split_is_deterministic_disjoint_and_documented():
-    files = corpus.stdlib_files()
-    train, heldout = corpus.split(files)
-    assert (train, heldout) == corpus.split(corpus.stdlib_files())
+    files = workloads.stdlib_files()
+    train, heldout = workloads.split(files)
+    assert (train, heldout) == workloads.split(workloads.stdlib_files())
     assert not set(train) & set(heldout)
     assert sorted(train + heldout) == files
     assert 0.02 < len(heldout) / len(files) < 0.10
     for path in heldout:
-        assert zlib.crc32(corpus.relative_path(path).encode()) % 20 == 0
+        assert zlib.crc32(workloads.relative_path(path).encode()) % 20 == 0
     for path in train:
-        assert zlib.crc32(corpus.relative_path(path).encode()) % 20 != 0
+        assert zlib.crc32(workloads.relative_path(path).encode()) % 20 != 0
 
 
 def test_excludes_tests_site_packages_and_large_files():
-    for path in corpus.stdlib_files():
-        parts = path.relative_to(corpus.stdlib_root()).parts
+    for path in workloads.stdlib_files():
+        parts = path.relative_to(workloads.stdlib_root()).parts
         assert not {"test", "tests", "site-packages", "__pycache__"} & set(parts), path
         assert not any(p.startswith("test_") or p.endswith("_test") for p in parts), path
-        assert path.stat().st_size <= corpus.MAX_FILE_BYTES
+        assert path.stat().st_size <= workloads.MAX_FILE_BYTES
 
 
 def test_training_documents_hold_no_heldout_text():
@@ -131,7 +132,7 @@ def test_marks_label_edit_replies_their_new_names_and_the_token_after_each():
 
     tok = Tokenizer.from_file(str(SHIPPED / "tokenizer.json"))
     seed = random.SystemRandom().randrange(2**32)
-    source = (corpus.stdlib_root() / "argparse.py").read_text(encoding="utf-8")
+    source = (workloads.stdlib_root() / "argparse.py").read_text(encoding="utf-8")
     examples = [ex for ex in itertools.islice(edit_examples([source], random.Random(seed)), 12) if ex.text.isascii()]
     docs = [source[:3000]] + [ex.text for ex in examples]
     tokens, marks, stats = data.encode_documents(tok, docs, "test")

@@ -8,8 +8,8 @@ import tokenize
 
 import pytest
 
-from train import corpus
-from train.edits import edit_examples, edit_reply, make_edit, rename_identifier, render_prompt
+from specjax import workloads
+from specjax.edits import edit_examples, edit_reply, make_edit, rename_identifier, render_prompt
 
 MODULES = ("argparse.py", "json/decoder.py", "textwrap.py", "email/message.py", "asyncio/tasks.py")
 
@@ -47,7 +47,7 @@ def test_rename_touches_names_only():
 @pytest.mark.parametrize("module", MODULES)
 def test_edits_of_real_snippets(module):
     seed = random.SystemRandom().randrange(2**32)
-    source = (corpus.stdlib_root() / module).read_text(encoding="utf-8")
+    source = (workloads.stdlib_root() / module).read_text(encoding="utf-8")
     for ex in itertools.islice(edit_examples([source], random.Random(seed)), 25):
         context = f"seed={seed} {ex.old}->{ex.new}"
         assert ex.prompt == render_prompt(ex.snippet, ex.old, ex.new), context
@@ -63,7 +63,7 @@ def test_edits_of_real_snippets(module):
 def test_edit_reply_finds_the_answer_and_its_new_names(module):
     """Putting the old name back at the spans gives the snippet; any other text is no edit."""
     seed = random.SystemRandom().randrange(2**32)
-    source = (corpus.stdlib_root() / module).read_text(encoding="utf-8")
+    source = (workloads.stdlib_root() / module).read_text(encoding="utf-8")
     assert edit_reply(source) is None
     for ex in itertools.islice(edit_examples([source], random.Random(seed)), 10):
         start, spans = edit_reply(ex.text)
@@ -127,7 +127,7 @@ def test_teacher_forced_hits_match_transformers_and_split_on_the_new_name():
 
     import specjax
     from train.evaluate import teacher_forced_hits
-    from train.prompts import Prompt
+    from specjax.workloads import Prompt
 
     from test_tokenizer import SHIPPED as folder
 

@@ -31,7 +31,8 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from train import corpus, edits
+from specjax import edits
+from train import corpus
 from train.tokenizer import EOS
 
 MARKS_FILE = "train_marks.npy"  # the training shard's token marks (uint8 per token)

@@ -13,7 +13,7 @@ The DFlash paper's recipe (arXiv:2602.06036), sized by flags:
    weight sum; embedding and head are the target's and stay frozen. AdamW with warmup +
    cosine and clipping 1.0 (``train.lm.make_optimizer``).
 3. Every ``eval_every`` steps (and at step 0) real DFlash speculative generation on
-   held-out edit and completion prompts (:mod:`train.prompts`) measures tau (mean
+   held-out edit and completion prompts (:mod:`specjax.workloads`) measures tau (mean
    accepted drafts + 1 per verify step) and acceptance by draft position, appended to
    ``<run>/metrics.jsonl``; whenever tau improves the drafter is exported to ``--out``
    in the public format (``specjax.load_dflash`` reads it).
@@ -46,10 +46,10 @@ from specjax.checkpoint import Params
 from specjax.config import Qwen3Config
 from specjax.dflash import DFlashConfig
 from specjax.results import Stats
+from specjax.workloads import completion_prompts, edit_prompts
 from train import lm
 from train.data import load_shard
 from train.dflash_data import DataConfig, Sequences, generate_data
-from train.prompts import completion_prompts, edit_prompts
 
 GAMMAS = {8: 4.0, 10: 5.0, 16: 7.0}  # loss decay per block size (the DFlash paper, arXiv:2602.06036)
 
@@ -217,7 +217,7 @@ def evaluate_tau(target: specjax.Model, drafter: dflash.Drafter, prompts: Sequen
 
 
 def heldout_prompts(tokenizer: Any, n: int, prompt_len: int) -> list[tuple[str, list[int]]]:
-    """n held-out edit and n completion prompts (train.prompts) as (kind, ids)."""
+    """n held-out edit and n completion prompts (specjax.workloads) as (kind, ids)."""
     made = edit_prompts(tokenizer, n, prompt_len) + completion_prompts(tokenizer, n, prompt_len)
     return [(p.kind, p.ids) for p in made]
 

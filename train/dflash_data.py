@@ -43,7 +43,8 @@ from specjax import sampling as smp
 from specjax.checkpoint import Params
 from specjax.config import Qwen3Config
 from specjax.sampling import Sampling
-from train import corpus, edits
+from specjax import edits
+from train import corpus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +115,7 @@ def make_prompts(train_tokens: np.ndarray, n: int, prompt_len: int, edit_share: 
 
     Each is a random window of `train_tokens`; with probability `edit_share` its tail is
     replaced by eos + a rename-edit prompt (needs `tokenizer`), the window's start staying
-    as preceding context, as documents are packed in training (and in train.prompts).
+    as preceding context, as documents are packed in training (and in specjax.workloads).
     """
     if edit_share and tokenizer is None:
         raise ValueError("edit prompts need the target's tokenizer")

@@ -20,9 +20,10 @@ import optax
 
 import specjax
 from specjax import cpu_kernels, qwen3
-from train import corpus, edits
+from specjax import edits
+from specjax.workloads import Prompt, completion_prompts, edit_prompts
+from train import corpus
 from train.data import encode_documents
-from train.prompts import Prompt, completion_prompts, edit_prompts
 
 
 def heldout_loss(model: specjax.Model, tokens: np.ndarray, seq: int = 512, windows: int = 48) -> float:

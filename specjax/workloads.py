@@ -1,9 +1,21 @@
-"""Held-out prompts for evaluation and the benchmark (never trained on).
+"""The benchmark's workloads: held-out prompts of the Python standard library, never
+trained on.
 
-Three workloads; the first two are cut from held-out stdlib files (train.corpus split rule):
-- edit: a rename instruction (train.edits format) whose reply copies the snippet with one
-  identifier changed; preceded by held-out code of the same file and an end-of-text token,
-  as documents are packed in training, to reach the requested prompt length;
+The corpus is the Python standard library of the running interpreter: every ``*.py``
+under ``sysconfig.get_paths()["stdlib"]`` except test suites (any path part named
+``test`` or ``tests``, starting with ``test_`` or ending in ``_test``, e.g.
+``idlelib/idle_test``), ``site-packages``, ``__pycache__``, files over 200 kB (generated
+tables such as ``pydoc_data/topics.py``) and files that are not UTF-8.
+
+Split rule (fixed, by file): a file is held out iff
+``zlib.crc32(relative_posix_path.encode()) % 20 == 0`` (about 5 % of files), where the
+path is relative to the stdlib root, e.g. ``"json/decoder.py"``. Held-out files are never
+trained on (`train.corpus` trains on the rest); they feed evaluation and benchmark prompts.
+
+Three workloads; the first two are cut from held-out files:
+- edit: a rename instruction (`specjax.edits` format) whose reply copies the snippet with
+  one identifier changed; preceded by held-out code of the same file and an end-of-text
+  token, as documents are packed in training, to reach the requested prompt length;
 - complete: a window of held-out code ending at a line boundary, to be continued;
 - novel: uniformly random tokens, a prompt in which prompt lookup finds nothing to copy
   (what speculation costs when drafts fail).
@@ -13,9 +25,68 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sysconfig
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
-from train import corpus, edits
+from . import edits
+
+MAX_FILE_BYTES = 200_000
+HELDOUT_MODULUS = 20
+EXCLUDED_PARTS = frozenset({"test", "tests", "site-packages", "__pycache__"})
+
+
+def stdlib_root() -> Path:
+    """The stdlib directory of the running interpreter."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def relative_path(path: Path, root: Path | None = None) -> str:
+    """``path`` relative to the stdlib root, in POSIX form (the key of the split rule)."""
+    return path.relative_to(root or stdlib_root()).as_posix()
+
+
+def _excluded(rel: Path) -> bool:
+    return any(
+        part in EXCLUDED_PARTS or part.startswith("test_") or part.endswith("_test")
+        for part in rel.parts
+    )
+
+
+def stdlib_files(root: Path | None = None) -> list[Path]:
+    """All corpus source files (sorted), before the split; see the module docstring."""
+    root = root or stdlib_root()
+    return sorted(
+        p
+        for p in root.rglob("*.py")
+        if not _excluded(p.relative_to(root)) and p.stat().st_size <= MAX_FILE_BYTES
+    )
+
+
+def is_heldout(rel_path: str) -> bool:
+    """The fixed split rule: held out iff crc32 of the relative POSIX path is 0 mod 20."""
+    return zlib.crc32(rel_path.encode()) % HELDOUT_MODULUS == 0
+
+
+def split(files: Iterable[Path], root: Path | None = None) -> tuple[list[Path], list[Path]]:
+    """Partition ``files`` into (train, heldout) by :func:`is_heldout`."""
+    train, heldout = [], []
+    for path in files:
+        (heldout if is_heldout(relative_path(path, root)) else train).append(path)
+    return train, heldout
+
+
+def read_sources(files: Iterable[Path]) -> tuple[list[str], int]:
+    """UTF-8 texts of ``files``; returns (texts, number of undecodable files skipped)."""
+    texts, skipped = [], 0
+    for path in files:
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            skipped += 1
+    return texts, skipped
 
 
 class PromptError(ValueError):
@@ -24,6 +95,9 @@ class PromptError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
+    """One benchmark prompt: its token ids, the held-out file it came from and, for an edit,
+    the exact reply expected."""
+
     kind: str          # "edit" or "complete"
     ids: list[int]
     source: str        # held-out file it came from
@@ -31,9 +105,9 @@ class Prompt:
 
 
 def _heldout() -> list[tuple[str, str]]:
-    files = corpus.split(corpus.stdlib_files())[1]
-    texts, _ = corpus.read_sources(files)
-    return [(corpus.relative_path(f), t) for f, t in zip(files, texts)]
+    files = split(stdlib_files())[1]
+    texts, _ = read_sources(files)
+    return [(relative_path(f), t) for f, t in zip(files, texts)]
 
 
 def edit_prompts(tokenizer: Any, n: int, prompt_tokens: int, seed: int = 0) -> list[Prompt]:
