@@ -33,7 +33,8 @@ from tqdm import tqdm
 
 from specjax import edits
 from train import corpus
-from train.tokenizer import EOS
+
+EOS = "<|endoftext|>"  # the document separator: the tokenizer's eos token (train.tokenizer)
 
 MARKS_FILE = "train_marks.npy"  # the training shard's token marks (uint8 per token)
 PLAIN, REPLY, RENAMED = 0, 1, 2  # the marks (train.lm weighs them)

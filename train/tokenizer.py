@@ -20,8 +20,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from train import corpus
+from train.data import EOS, build_shards
 
-EOS = "<|endoftext|>"
 MASK = "<|mask|>"
 
 
@@ -79,8 +79,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"saved {len(tokenizer)} tokens to {args.out}; "
           f"held-out bytes/token {bytes_per_token(tokenizer, heldout):.3f}")
     if args.shards:
-        from train.data import build_shards
-
         build_shards(args.out, args.shards)
 
 
