@@ -151,10 +151,12 @@ def kv_write(k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, k: jax.Arra
 
 
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
-                    slots: jax.Array, q_pos: jax.Array, fallback: Callable[..., jax.Array]) -> jax.Array:
-    """Attention of q [B, T, H, E] at positions q_pos [B, T] over layer `layer` of the pools
-    [L, K, P, Z, E]; slots [B, N] is the pool slot of each position of a row (`kv.row_slots`)
-    and a query sees the positions up to its own: [B, T, H*E].
+                    slots: jax.Array, q_pos: jax.Array, base: jax.Array, bits: jax.Array,
+                    fallback: Callable[..., jax.Array]) -> jax.Array:
+    """Attention of q [B, T, H, E] over layer `layer` of the pools [L, K, P, Z, E]; slots
+    [B, N] is the pool slot of each position of a row (`kv.row_slots`). Query t of row b
+    sees the positions up to q_pos[b, t], except that of base[b] + j (j < 32) it sees only
+    those with bit j of bits[b, t] set (`qwen3.visible`): [B, T, H*E].
 
     `fallback` (same arguments and result, in XLA ops) runs under `jax.vmap` (one pool per
     mapped element, e.g. batched reply generation for drafter training)."""
@@ -170,7 +172,8 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: j
         args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, batched in zip(args, in_batched)]
         return jax.vmap(lambda *a: fallback(*a).reshape(*a[0].shape))(*args), True
 
-    out = call(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32), q_pos.astype(jnp.int32))
+    out = call(q, k_pool, v_pool, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32), q_pos.astype(jnp.int32),
+               base.astype(jnp.int32), bits.astype(jnp.int32))
     return out.reshape(b, t, h * e)
 
 

@@ -34,19 +34,82 @@ def find(history: jax.Array, size: jax.Array, k: int, max_ngram: int, min_ngram:
 
     history must hold at least size + k entries. Returns (drafts [k], real drafts, n matched).
     """
-    at = jnp.arange(history.shape[0])
-    run = at < size - 1  # an occurrence ending at i needs a continuation at i + 1 < size
-    matched = jnp.zeros_like(at)
-    for back in range(max_ngram):
-        shifted = jnp.roll(history, back)  # shifted[i] = history[i - back]
-        run = run & (at >= back) & (shifted == history[size - 1 - back]) & (size - 1 - back >= 0)
-        matched = matched + run
-    score = jnp.where(matched >= min_ngram, matched * history.shape[0] + at, -1)
+    score = _scores(history, size, max_ngram, min_ngram)
     end = jnp.argmax(score)
     found = score[end] >= 0
     drafts = jax.lax.dynamic_slice(history, (end + 1,), (k,))
     n = jnp.where(found, jnp.minimum(k, size - 1 - end), 0)
     return drafts, n, jnp.where(found, matched[end], 0)
+
+
+def _scores(history: jax.Array, size: jax.Array, max_ngram: int, min_ngram: int) -> jax.Array:
+    """[H] for each i, the length m of the suffix of history[:size] that ends at i too (at
+    most max_ngram), scored m * H + i (longest, then latest), or -1 below min_ngram or
+    without a continuation at i + 1 < size."""
+    at = jnp.arange(history.shape[0])
+    run = at < size - 1
+    matched = jnp.zeros_like(at)
+    for back in range(max_ngram):
+        shifted = jnp.roll(history, back)  # shifted[i] = history[i - back]
+        run = run & (at >= back) & (shifted == history[size - 1 - back]) & (size - 1 - back >= 0)
+        matched = matched + run
+    return jnp.where(matched >= min_ngram, matched * history.shape[0] + at, -1)
+
+
+TREE_MATCHES = 4  # earlier occurrences a lookup tree merges
+
+
+def tree(history: jax.Array, size: jax.Array, k: int, max_ngram: int, min_ngram: int, nodes: int) -> dict:
+    """Prompt lookup as a tree: the continuations (k tokens each) of the TREE_MATCHES best
+    earlier occurrences of the row's suffix (longest, then latest, as `find`), merged into
+    a trie, and its `nodes` best nodes ranked: most continuations through the node first,
+    then the better occurrence, then the shallower node, so each node ranks below its
+    parent and any first n of the ranking is a tree (`trees.arrange` lays it out). Where
+    all continuations agree the tree is the chain `find` drafts; where they part, it
+    branches (SGLang's n-gram tree is the model: github.com/sgl-project/sglang,
+    python/sglang/srt/speculative/ngram_worker.py).
+
+    Returns {"token", "parent" (trie index), "trie", "depth", "main" (on the best
+    continuation), "valid"} each [nodes]; the trie has `capacity(k)` entries. history must
+    hold size + k entries; nodes <= capacity(k) - 1."""
+    m = TREE_MATCHES
+    score = _scores(history, size, max_ngram, min_ngram)
+    best, ends = jax.lax.top_k(score, m)
+    lengths = jnp.where(best >= 0, jnp.minimum(k, size - 1 - ends), 0)
+    seqs = jax.vmap(lambda e: jax.lax.dynamic_slice(history, (e + 1,), (k,)))(ends)
+    cap = capacity(k)
+    idx = jnp.arange(cap)
+
+    def insert(step, c):
+        tok, par, cnt, seq, dep, used, cur = c
+        s, d = step // k, step % k
+        cur = jnp.where(d == 0, 0, cur)
+        t = seqs[s, d]
+        real = d < lengths[s]
+        match = (idx > 0) & (idx < used) & (par == cur) & (tok == t)
+        found = jnp.any(match)
+        child = jnp.where(found, jnp.argmax(match), used)
+        new = real & ~found
+        tok = jnp.where(new & (idx == used), t, tok)
+        par = jnp.where(new & (idx == used), cur, par)
+        seq = jnp.where(new & (idx == used), s, seq)
+        dep = jnp.where(new & (idx == used), dep[cur] + 1, dep)
+        cnt = cnt + (real & (idx == child))
+        return tok, par, cnt, seq, dep, used + new, jnp.where(real, child, cur)
+
+    zeros = jnp.zeros(cap, jnp.int32)
+    tok, par, cnt, seq, dep, used, _ = jax.lax.fori_loop(
+        0, m * k, insert, (zeros, zeros - 1, zeros, zeros, zeros, jnp.int32(1), jnp.int32(0)))
+    valid = (idx > 0) & (idx < used)
+    key = jnp.where(valid, (cnt * m + (m - 1 - seq)) * (k + 1) + (k - dep), -1)
+    ranked_key, trie = jax.lax.top_k(key, nodes)
+    return {"token": tok[trie], "parent": par[trie], "trie": trie.astype(jnp.int32), "depth": dep[trie],
+            "main": seq[trie] == 0, "valid": ranked_key >= 0}
+
+
+def capacity(k: int) -> int:
+    """Entries of a lookup trie of k-token continuations: the root and one per token."""
+    return TREE_MATCHES * k + 1
 
 
 def expected_tokens(q: jax.Array, r: jax.Array, n: jax.Array) -> jax.Array:

@@ -98,22 +98,37 @@ def attend_masked(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     return out.reshape(b, kh, t, g, e).transpose(0, 2, 1, 3, 4).reshape(b, t, h * e)
 
 
+ALL_BITS = -1  # `visible` bits of a step whose queries see every position up to their limit
+
+
+def visible(n: int, limit: jax.Array, base: jax.Array, bits: jax.Array) -> jax.Array:
+    """[B, T, n]: whether query t of row b sees position j: j <= limit[b, t], and for the 32
+    positions base[b] + i only where bit i of bits[b, t] is set. A tree step writes its
+    nodes at base + node index, and a node's bits are its ancestors and itself, so it sees
+    the committed prefix and its own path (what the CPU attention kernel computes too)."""
+    j = jnp.arange(n)[None, None, :]
+    d = j - base[:, None, None]
+    own = (jnp.right_shift(bits[:, :, None].astype(jnp.uint32), jnp.clip(d, 0, 31).astype(jnp.uint32)) & 1) > 0
+    return (j <= limit[:, :, None]) & ((d < 0) | (d >= 32) | own)
+
+
 def _attend_layer(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array,
-                  slots: jax.Array, positions: jax.Array) -> jax.Array:
+                  slots: jax.Array, limit: jax.Array, base: jax.Array, bits: jax.Array) -> jax.Array:
     """XLA's attention of q [B, T, H, E] over one layer of the pools: each row gathers its
     own positions (slots [B, N], `kv.row_slots`), so its cost follows its own length, not
-    the pool's or the batch's."""
+    the pool's or the batch's; which positions a query sees: `visible`."""
     n = slots.shape[1]
     k = jnp.take(kvlib.layer_slots(k_pool, layer), slots, axis=1).transpose(1, 0, 2, 3)  # [B, K, N, E]
     v = jnp.take(kvlib.layer_slots(v_pool, layer), slots, axis=1).transpose(1, 0, 2, 3)
-    mask = jnp.arange(n)[None, None, :] <= positions[:, :, None]  # [B, T, N]
-    return attend_masked(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+    return attend_masked(q, k.astype(q.dtype), v.astype(q.dtype), visible(n, limit, base, bits))
 
 
 def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
-           cache: tuple | None, layer: jax.Array, sees: jax.Array | None = None) -> tuple[jax.Array, tuple | None]:
+           cache: tuple | None, layer: jax.Array, sees: jax.Array | None = None,
+           ancestors: jax.Array | None = None) -> tuple[jax.Array, tuple | None]:
     """One decoder layer; returns the new residual stream and the updated pools. With a
-    cache, query t attends to the positions up to sees[:, t] (default: its own)."""
+    cache, query t attends to the positions up to sees[:, t] (default: its own), of the
+    step's own positions only those in ancestors[:, t] (`visible`; default: all)."""
     b, t, _ = x.shape
     hd, nh, nk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     h = rms_norm(x, lp["input_layernorm.weight"], cfg.rms_norm_eps)
@@ -130,25 +145,30 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
         k_pool, v_pool, page_table, page_size, slots = cache
         k_pool, v_pool = kvlib.write_layer(k_pool, v_pool, layer, k, v, page_table, positions[:, 0], page_size)
         limit = positions if sees is None else sees
+        bits = jnp.full(positions.shape, ALL_BITS, jnp.int32) if ancestors is None else ancestors
+        view = (slots, limit, positions[:, 0], bits)
         if cpu_kernels.applies(q, k_pool):
-            attn = cpu_kernels.paged_attention(q, k_pool, v_pool, layer, slots, limit, _attend_layer)
+            attn = cpu_kernels.paged_attention(q, k_pool, v_pool, layer, *view, _attend_layer)
         else:
-            attn = _attend_layer(q, k_pool, v_pool, layer, slots, limit)
+            attn = _attend_layer(q, k_pool, v_pool, layer, *view)
         cache = (k_pool, v_pool, page_table, page_size, slots)
     x = x + linear(attn, lp["self_attn.o_proj.weight"], lp.get("self_attn.o_proj.bias"))
     return mlp(lp, x, cfg.rms_norm_eps), cache
 
 
 def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Array,
-                  kv: kvlib.KVCache | None = None, taps: tuple[int, ...] = (), sees: jax.Array | None = None
-                  ) -> tuple[jax.Array, kvlib.KVCache | None, jax.Array | None]:
+                  kv: kvlib.KVCache | None = None, taps: tuple[int, ...] = (), sees: jax.Array | None = None,
+                  ancestors: jax.Array | None = None) -> tuple[jax.Array, kvlib.KVCache | None, jax.Array | None]:
     """Final-normed hidden states [B, T, D], the updated cache, and taps [n, B, T, D].
 
     taps[i] is the residual stream after layer taps[i] (transformers' hidden_states[id + 1];
     for the last layer that is the final-normed state, as in transformers). The cache's
     lengths are not changed here: the caller decides how many tokens it commits. `sees`
     [B, T] (with a cache) lets query t attend to every position up to sees[:, t] instead of
-    its own (a DFlash block: every block row sees the whole block).
+    its own (a DFlash block: every block row sees the whole block). A tree step (with a
+    cache) writes node i at position positions[:, 0] + i, takes positions (RoPE) = that
+    start + the node's depth, sees = start + i, and ancestors [B, T] int32: bit j set when
+    node j is node t's ancestor or itself (`trees.ancestor_bits`).
     """
     x = cpu_kernels.rows(params["model.embed_tokens.weight"], tokens)
     cache = None if kv is None else (kv.k, kv.v, kv.page_table, kv.page_size)
@@ -157,7 +177,7 @@ def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions
         x, pools = carry
         lp, layer = xs
         c = None if pools is None else (*pools, kv.page_table, kv.page_size, slots)
-        x, c = _layer(cfg, lp, x, positions, c, layer, sees)
+        x, c = _layer(cfg, lp, x, positions, c, layer, sees, ancestors)
         return (x, None if c is None else c[:2]), (x if taps else None)
 
     pools = None if cache is None else cache[:2]

@@ -20,11 +20,18 @@ def _case(rng, e: int, kv_heads: int, groups: int, rows: int = 2, pages: int = 6
     return k, v, table, kvlib.row_slots(table, page)
 
 
-_xla = qwen3._attend_layer
+def _view(q_pos, base, bits):
+    base = q_pos[:, 0] if base is None else base
+    return base, jnp.full(q_pos.shape, qwen3.ALL_BITS, jnp.int32) if bits is None else bits
 
 
-def _kernel(q, k, v, layer, slots, q_pos):
-    return cpu_kernels.paged_attention(q, k, v, layer, slots, q_pos, _xla)
+def _xla(q, k, v, layer, slots, q_pos, base=None, bits=None):
+    return qwen3._attend_layer(q, k, v, layer, slots, q_pos, *_view(q_pos, base, bits))
+
+
+def _kernel(q, k, v, layer, slots, q_pos, base=None, bits=None):
+    return cpu_kernels.paged_attention(q, k, v, layer, slots, q_pos, *_view(q_pos, base, bits),
+                                       qwen3._attend_layer)
 
 
 @pytest.mark.parametrize("e,kv_heads,groups,t", [(64, 2, 3, 1), (64, 2, 3, 8), (24, 2, 2, 5), (128, 1, 4, 3),
@@ -238,3 +245,37 @@ def test_kv_write_under_vmap_takes_xla_path(rng):
         args = (0, np.asarray(new[i]), np.asarray(table[i]), np.asarray(start[i]))
         np.testing.assert_array_equal(np.asarray(got_k[i]), _numpy_write(k[i], *args))
         np.testing.assert_array_equal(np.asarray(got_v[i]), _numpy_write(v[i], 0, -args[1], *args[2:]))
+
+
+def _tree_bits(rng, t: int) -> np.ndarray:
+    """Ancestor-or-self bits of a random tree of t nodes in parent-first order."""
+    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
+    bits = np.zeros(t, np.int64)
+    for i in range(t):
+        bits[i] = (1 << i) | (bits[parent[i]] if i else 0)
+    return bits.astype(np.uint32).view(np.int32)
+
+
+@pytest.mark.parametrize("t", [2, 7, 16])
+def test_tree_masks_match_a_brute_force_mask(rng, t):
+    """A tree step: query i sees the prefix before the step's base and, of the step's own
+    positions, only those its bits name. Against attention over an explicit mask built
+    position by position here (and XLA's path)."""
+    k, v, table, slots = _case(rng, 32, 2, 2)
+    q = jnp.asarray(rng.standard_normal((2, t, 4, 32)), jnp.float32)
+    base = rng.integers(0, 6 * 16 - t, size=2)
+    q_pos = jnp.asarray(base[:, None] + np.arange(t), jnp.int32)
+    bits = np.stack([_tree_bits(rng, t) for _ in range(2)])
+    got = _kernel(q, k, v, jnp.int32(1), slots, q_pos, jnp.asarray(base, jnp.int32), jnp.asarray(bits))
+    mask = np.zeros((2, t, slots.shape[1]), bool)
+    for b in range(2):
+        for i in range(t):
+            mask[b, i, :base[b]] = True
+            for j in range(t):
+                mask[b, i, base[b] + j] = bool((int(bits[b, i]) >> j) & 1)
+    keys = jnp.take(kvlib.layer_slots(k, 1), slots, axis=1).transpose(1, 0, 2, 3)
+    values = jnp.take(kvlib.layer_slots(v, 1), slots, axis=1).transpose(1, 0, 2, 3)
+    want = qwen3.attend_masked(q, keys, values, jnp.asarray(mask))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    xla = _xla(q, k, v, 1, slots, q_pos, jnp.asarray(base, jnp.int32), jnp.asarray(bits))
+    np.testing.assert_allclose(np.asarray(xla), np.asarray(want), rtol=1e-4, atol=1e-5)

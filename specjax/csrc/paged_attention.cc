@@ -7,8 +7,11 @@
 //
 // Shapes (letters of specjax/kv.py): q [B, T, H, E]; k, v [L, K, P, Z, E]; layer [];
 // slots [B, N] (the pool slot, page * Z + offset, holding position n of row b); q_pos
-// [B, T]. Query t of row b sees positions n <= q_pos[b, t]. A row reads only its own
-// positions, in position order, wherever its pages lie in the pool. Output [B, T, H, E].
+// [B, T]; base [B]; bits [B, T]. Query t of row b sees positions n <= q_pos[b, t], except
+// that of the 32 positions base[b] + j it sees only those whose bit j of bits[b, t] is set
+// (a tree step: a node sees the committed prefix, its ancestors and itself; a chain passes
+// every bit). A row reads only its own positions, in position order, wherever its pages
+// lie in the pool. Output [B, T, H, E].
 // Every query is computed the same way whatever T, B and the page placement are (fixed
 // summation order), so a token's attention in a verify step equals its decode-step value
 // and a row's equals its value alone.
@@ -41,16 +44,23 @@ constexpr int64_t kSlotBlock = 32;  // slots whose keys (or values) stay in L1 f
 
 // The R = T * G queries of one (row, kv head) against the n slots in `seen` (the slots of
 // positions 0 .. n - 1, the row's last position's view, in position order), keys and values at kb / vb + slot * E; q_at
-// and out_at give query r's vectors, pos[r / G] its position. Slots are taken in blocks
+// and out_at give query r's vectors, pos[r / G] its last visible position and bits[r / G]
+// which of the 32 positions from base it sees (`Sees`). Slots are taken in blocks
 // that stay in L1 while every query passes over them, so keys and values are read from
 // memory once per call rather than once per query. NV = E / 8 is a template argument.
 //
 // Exactness: a query's scores are each one fixed chain; its softmax runs over the scores
-// of the positions its own position sees (a prefix of the list), which is the list it
-// would have alone; slots it does not see get weight exactly 0 and add exactly nothing
-// to its output. So every query gets the same bits whatever T is.
+// of the positions it sees, in position order, which is the list it would have alone (for
+// a tree node: the forward over its own path); slots it does not see get weight exactly 0
+// and add exactly nothing to its output. So every query gets the same bits whatever T is.
+inline bool Sees(int64_t j, int32_t p, int64_t base, int32_t bits) {
+  if (j > p) return false;
+  const int64_t d = j - base;
+  return d < 0 || d >= 32 || ((static_cast<uint32_t>(bits) >> d) & 1u);
+}
+
 template <int NV>
-void Head(const float* const* q_at, float* const* out_at, const int32_t* pos,
+void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, const int32_t* bits, int64_t base,
           const float* kb, const float* vb, const int32_t* seen, int64_t n, int64_t R, int64_t G, float scale,
           float* scores, float* weights, float* own, V8* accs) {
   constexpr int64_t E = 8 * NV;
@@ -88,11 +98,11 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos,
   for (int64_t r = 0; r < R; ++r) {
     const float* row = scores + r * n;
     float* wrow = weights + r * n;
-    const int32_t p = pos[r / G];
-    int64_t c = 0;  // the scores this query's position sees: positions 0 .. p
+    const int32_t p = pos[r / G], b = bits[r / G];
+    int64_t c = 0;  // the scores of the positions this query sees
     float m = -INFINITY;
     for (int64_t j = 0; j < n; ++j) {
-      if (j > p) continue;
+      if (!Sees(j, p, base, b)) continue;
       own[c] = row[j] * scale;
       m = own[c] > m ? own[c] : m;
       ++c;
@@ -110,7 +120,7 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos,
     }
     const float sum = Lanes(sums);
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    for (int64_t j = 0, k = 0; j < n; ++j) wrow[j] = j > p ? 0.0f : own[k++] * inv;
+    for (int64_t j = 0, k = 0; j < n; ++j) wrow[j] = Sees(j, p, base, b) ? own[k++] * inv : 0.0f;
     for (int i = 0; i < NV; ++i) accs[r * NV + i] = V8{};
   }
   for (int64_t j0 = 0; j0 < n; j0 += kSlotBlock) {
@@ -148,7 +158,8 @@ HeadFn HeadFor(int64_t e) {
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
-                              ffi::Buffer<ffi::S32> q_pos, ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> base, ffi::Buffer<ffi::S32> bits,
+                              ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || slots.dimensions().size() != 2)
@@ -156,7 +167,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   const int64_t B = qd[0], T = qd[1], H = qd[2], E = qd[3];
   const int64_t L = kd[0], K = kd[1], S = kd[2] * kd[3];
   const int64_t N = slots.dimensions()[1];
-  if (kd[4] != E || H % K != 0 || slots.dimensions()[0] != B)
+  if (kd[4] != E || H % K != 0 || slots.dimensions()[0] != B || q_pos.element_count() != B * T ||
+      base.element_count() != B || bits.element_count() != B * T)
     return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
   const HeadFn head = HeadFor(E);
   if (head == nullptr) return ffi::Error::InvalidArgument("paged_attention: unsupported head_dim");
@@ -195,7 +207,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       q_at[r] = q.typed_data() + at;
       out_at[r] = out->typed_data() + at;
     }
-    head(q_at.data(), out_at.data(), pos + b * T, k.typed_data() + (l * K + kh) * S * E,
+    head(q_at.data(), out_at.data(), pos + b * T, bits.typed_data() + b * T, base.typed_data()[b], k.typed_data() + (l * K + kh) * S * E,
          v.typed_data() + (l * K + kh) * S * E, seen[b].data(), n, R, G, scale, scratch.data(),
          scratch.data() + R * n, scratch.data() + 2 * R * n, accs.data());
   });
@@ -210,6 +222,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -1,0 +1,194 @@
+"""Draft trees: the lookup trie, the layout, the walk, the ancestor mask and compaction,
+each against a brute-force reference (a Python trie, explicit path following, a forward
+over each node's own path, a fresh forward over the committed tokens)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import cpu_kernels, kv as kvlib, lookup, trees
+from specjax.qwen3 import hidden_states, unembed
+
+
+def _random_parents(rng, w: int) -> np.ndarray:
+    return np.array([-1] + [int(rng.integers(0, i)) for i in range(1, w)], np.int32)
+
+
+def _path_to(parents: np.ndarray, i: int) -> list[int]:
+    path = [i]
+    while parents[path[-1]] >= 0:
+        path.append(int(parents[path[-1]]))
+    return path[::-1]
+
+
+def test_ancestor_bits_and_depths_follow_the_parents(rng):
+    parents = np.stack([_random_parents(rng, 16) for _ in range(3)])
+    bits = np.asarray(trees.ancestor_bits(jnp.asarray(parents))).view(np.uint32)
+    depth = np.asarray(trees.depths(jnp.asarray(parents)))
+    for r in range(3):
+        for i in range(16):
+            path = _path_to(parents[r], i)
+            assert bits[r, i] == sum(1 << j for j in path)
+            assert depth[r, i] == len(path) - 1
+
+
+def _walk_reference(tokens, parents, n, target):
+    cur, path = 0, [0]
+    while True:
+        kids = [c for c in range(1, n + 1) if parents[c] == cur and tokens[c] == target[cur]]
+        assert len(kids) <= 1
+        if not kids:
+            return path
+        cur = kids[0]
+        path.append(cur)
+
+
+@pytest.mark.parametrize("shape", ["chain", "star", "deep", "ragged"])
+def test_walk_follows_the_target_token_from_the_root(rng, shape):
+    w, rows = 12, 6
+    tokens, parents, ns, targets = [], [], [], []
+    for _ in range(rows):
+        par = {"chain": np.arange(w) - 1, "star": np.array([-1] + [0] * (w - 1)),
+               "deep": np.array([-1, 0, 1, 2, 3, 4, 5, 6, 0, 8, 9, 10]),
+               "ragged": _random_parents(rng, w)}[shape].astype(np.int32)
+        tok = np.zeros(w, np.int32)
+        for i in range(1, w):  # siblings distinct, mostly small tokens so paths often match
+            taken = {tok[j] for j in range(1, i) if par[j] == par[i]}
+            free = [t for t in range(w) if t not in taken]
+            tok[i] = rng.choice(free[:3])
+        n = int(rng.integers(0, w))
+        target = rng.integers(0, 3, w).astype(np.int32)
+        tokens.append(tok), parents.append(par), ns.append(n), targets.append(target)
+    path, accepted = trees.walk(jnp.asarray(np.stack(tokens)), jnp.asarray(np.stack(parents)),
+                                jnp.asarray(ns, jnp.int32), jnp.asarray(np.stack(targets)))
+    for r in range(rows):
+        want = _walk_reference(tokens[r], parents[r], ns[r], targets[r])
+        assert int(accepted[r]) == len(want) - 1
+        assert list(np.asarray(path[r, :len(want)])) == want
+
+
+def _trie_reference(history: np.ndarray, size: int, k: int, max_ngram: int, min_ngram: int):
+    """The lookup trie by brute force: {token path tuple: (count, first sequence, depth)}."""
+    scored = []
+    for end in range(size - 1):
+        m = 0
+        while m < max_ngram and end - m >= 0 and history[end - m] == history[size - 1 - m]:
+            m += 1
+        if m >= min_ngram:
+            scored.append((m, end))
+    scored.sort(reverse=True)
+    nodes: dict[tuple, list] = {}
+    for s, (_, end) in enumerate(scored[:lookup.TREE_MATCHES]):
+        cont = [int(t) for t in history[end + 1:min(end + 1 + k, size)]]
+        for d in range(1, len(cont) + 1):
+            key = tuple(cont[:d])
+            if key in nodes:
+                nodes[key][0] += 1
+            else:
+                nodes[key] = [1, s, d]
+    return nodes
+
+
+def test_lookup_tree_is_the_trie_of_the_best_continuations(rng):
+    """Histories with a few recurring phrases that continue differently; the first n nodes
+    of the ranking, laid out, are the n best trie nodes (most continuations, then the better
+    occurrence, then shallower), as a breadth-first tree with distinct siblings."""
+    k, max_ngram, n_nodes = 6, 3, 10
+    for _ in range(30):
+        phrases = [rng.integers(0, 5, int(rng.integers(2, 6))) for _ in range(3)]
+        seq = np.concatenate([phrases[int(rng.integers(0, 3))] for _ in range(int(rng.integers(3, 9)))])
+        size = len(seq)
+        history = np.zeros(size + k + 4, np.int32)
+        history[:size] = seq
+        ranked = jax.jit(lambda h, s: lookup.tree(h, s, k, max_ngram, 1, n_nodes))(jnp.asarray(history), size)
+        ref = _trie_reference(history, size, k, max_ngram, 1)
+        order = sorted(ref, key=lambda p: (-ref[p][0], ref[p][1], ref[p][2]))
+        for n in (1, 4, n_nodes):
+            batch = jax.tree.map(lambda x: x[None], ranked)
+            drafts, parents, main, got_n = trees.arrange(batch, jnp.asarray([n]), lookup.capacity(k))
+            drafts, parents, got_n = np.asarray(drafts[0]), np.asarray(parents[0]), int(got_n[0])
+            want = set(order[:n])
+            assert got_n == len(want)
+            tokens = np.concatenate([[-1], drafts])
+            got = set()
+            for i in range(1, got_n + 1):
+                assert 0 <= parents[i] < i
+                path = _path_to(parents, i)
+                got.add(tuple(int(tokens[j]) for j in path[1:]))
+            assert got == want
+            depth = [len(_path_to(parents, i)) for i in range(1, got_n + 1)]
+            assert depth == sorted(depth)  # breadth first
+            for i in range(1, got_n + 1):
+                siblings = [tokens[j] for j in range(1, got_n + 1) if parents[j] == parents[i]]
+                assert len(siblings) == len(set(siblings))
+            on_main = {p for p in want if ref[p][1] == 0}
+            assert {tuple(int(tokens[j]) for j in _path_to(parents, i)[1:]) for i in range(1, got_n + 1)
+                    if main[0, i]} == on_main
+
+
+def _prefilled(model, prompt: np.ndarray, capacity: int = 64):
+    cfg = model.config
+    kv = kvlib.init(cfg, 1, capacity, page_size=8)
+    kv = kv.replace(page_table=jnp.asarray(np.random.default_rng(0).permutation(kv.page_table.shape[1])[None],
+                                           jnp.int32))
+    _, kv, _ = hidden_states(model.params, cfg, jnp.asarray(prompt[None]), jnp.arange(len(prompt))[None], kv)
+    return kv.replace(lengths=jnp.asarray([len(prompt)], jnp.int32))
+
+
+def _tree_step(model, kv, tokens: np.ndarray, parents: np.ndarray):
+    """One tree step over nodes `tokens` (node 0 the root): logits [W, V] and the cache."""
+    start = kv.lengths
+    par = jnp.asarray(parents[None])
+    depth = trees.depths(par)
+    h, kv, _ = hidden_states(model.params, model.config, jnp.asarray(tokens[None]), start[:, None] + depth, kv,
+                             sees=start[:, None] + jnp.arange(len(tokens)), ancestors=trees.ancestor_bits(par))
+    return np.asarray(unembed(model.params, model.config, h))[0], kv
+
+
+def _forward(model, ids: np.ndarray) -> np.ndarray:
+    """Logits of a plain forward (cache-paged as the engine runs it) over ids: [len, V]."""
+    kv = kvlib.init(model.config, 1, 64, page_size=8)
+    h, _, _ = hidden_states(model.params, model.config, jnp.asarray(ids[None]), jnp.arange(len(ids))[None], kv)
+    return np.asarray(unembed(model.params, model.config, h))[0]
+
+
+def test_each_node_sees_its_own_path_only(tiny, rng):
+    """A node's logits equal those of a forward over the committed tokens and its path
+    (bitwise with the CPU kernels, whose results do not depend on the step's other rows)."""
+    _, _, model = tiny
+    v = model.config.vocab_size
+    prompt = rng.integers(0, v, 13).astype(np.int32)
+    parents = np.array([-1, 0, 0, 1, 1, 2, 3, 0, 5, 8], np.int32)
+    tokens = rng.integers(0, v, len(parents)).astype(np.int32)
+    logits, _ = _tree_step(model, _prefilled(model, prompt), tokens, parents)
+    for i in range(len(parents)):
+        path = _path_to(parents, i)
+        alone = _tree_step(model, _prefilled(model, prompt), tokens[path], np.arange(len(path), dtype=np.int32) - 1)[0]
+        if cpu_kernels.available():
+            np.testing.assert_array_equal(logits[i], alone[-1])
+        np.testing.assert_allclose(logits[i], _forward(model, np.concatenate([prompt, tokens[path]]))[-1],
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_after_compaction_the_next_step_sees_a_plain_prefix(tiny, rng):
+    """Accept a path through a non-first branch, compact, and step again: the next logits
+    equal a fresh forward over the committed tokens."""
+    _, _, model = tiny
+    v = model.config.vocab_size
+    prompt = rng.integers(0, v, 11).astype(np.int32)
+    parents = np.array([-1, 0, 0, 1, 2, 2, 4, 5, 6], np.int32)
+    tokens = rng.integers(0, v, len(parents)).astype(np.int32)
+    kv = _prefilled(model, prompt)
+    _, kv = _tree_step(model, kv, tokens, parents)
+    path = np.array(_path_to(parents, 8), np.int32)  # 0 -> 2 -> 4 -> 6 -> 8
+    padded = np.concatenate([path, np.arange(len(path), len(parents))]).astype(np.int32)
+    k_pool, v_pool = trees.compact(kv.k, kv.v, kv.page_table, kv.page_size, kv.lengths, jnp.asarray(padded[None]),
+                                   lambda *a: kvlib.write_layer(*a, kv.page_size))
+    kv = kv.replace(k=k_pool, v=v_pool, lengths=kv.lengths + len(path))
+    nxt = np.int32(rng.integers(0, v))
+    logits, _ = _tree_step(model, kv, np.array([nxt]), np.array([-1], np.int32))
+    want = _forward(model, np.concatenate([prompt, tokens[path], [nxt]]))[-1]
+    np.testing.assert_allclose(logits[0], want, rtol=1e-4, atol=1e-4)
