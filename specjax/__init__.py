@@ -18,7 +18,7 @@ _EXPORTS = {
     "Qwen3Config": "config",
     "Adaptive": "adaptive",
     "Engine": "engine", "Request": "engine", "Speculation": "engine", "HostDrafter": "engine",
-    "shard": "sharding", "make_mesh": "sharding",
+    "shard": "model", "make_mesh": "sharding",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,4 +1,5 @@
-"""A loaded model: config, parameter tree, compute dtype and (optionally) its tokenizer."""
+"""A loaded model: config, parameter tree, compute dtype and (optionally) its tokenizer;
+`load`, `save` and `shard` (tensor-parallel placement, `specjax.sharding`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from . import checkpoint
 from .checkpoint import CheckpointError, Params
 from .config import ConfigError, Qwen3Config, parse_eos, read_json
 from .runtime import enable_compilation_cache
+from .sharding import AXIS, make_mesh, placer, shard_params
 
 
 @dataclasses.dataclass(eq=False)
@@ -72,7 +74,6 @@ def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = N
     if mesh is None:
         transform = checkpoint.packed
     else:
-        from .sharding import placer
         transform = placer(mesh)
     params = checkpoint.load_params(folder, cfg, dtype, transform)
     return Model(cfg, params, dtype, _load_tokenizer(folder), folder)
@@ -83,3 +84,10 @@ def save(model: Model, path: str | Path, dtype: str = "bfloat16", max_shard_byte
     checkpoint.save(path, model.params, model.config, dtype, max_shard_bytes)
     if model.tokenizer is not None:
         model.tokenizer.save_pretrained(str(path))
+
+
+def shard(model: Model, mesh: jax.sharding.Mesh | None = None, axis: str = AXIS) -> Model:
+    """The model with its weights split tensor-parallel over `mesh` (default: every local
+    device); generate, the proposers and the bench take it as they take any model."""
+    mesh = mesh if mesh is not None else make_mesh(axis=axis)
+    return dataclasses.replace(model, params=shard_params(model.params, mesh, axis))

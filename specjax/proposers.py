@@ -51,10 +51,8 @@ class NgramProposer:
     min_ngram: int = 1
 
     def __post_init__(self) -> None:
-        from .lookup import MAX_NGRAM
-
         check_k(self.k, steps.BUCKETS[-1] - 1)
-        check_ngram(self.max_ngram, self.min_ngram, MAX_NGRAM)
+        check_ngram(self.max_ngram, self.min_ngram)  # the engine's Speculation bounds max_ngram
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

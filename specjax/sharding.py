@@ -1,6 +1,6 @@
 """Tensor-parallel placement of a target's weights over a device mesh (JAX SPMD).
 
-`shard(model)` places each weight with a `NamedSharding` in the Megatron pattern: the
+`specjax.shard(model)` (`specjax.model`, with `load(path, mesh=)`) places each weight with a `NamedSharding` in the Megatron pattern: the
 fused q/k/v and gate/up projections split by output rows, the o and down projections by
 input columns (their products are summed across devices), the embedding (and the
 untied head) by vocabulary rows, norms replicated. Nothing else changes: the compiled
@@ -16,7 +16,6 @@ XLA reshards them for attention; a head-aligned layout would avoid that exchange
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +25,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import cpu_kernels
 from .checkpoint import LAYERS, Params, Transform
-from .model import Model
 
 AXIS = "tp"
 
@@ -88,9 +86,3 @@ def shard_params(params: Params, mesh: Mesh, axis: str = AXIS) -> Params:
             out[key] = place(key, value)
     return out
 
-
-def shard(model: Model, mesh: Mesh | None = None, axis: str = AXIS) -> Model:
-    """The model with its weights split tensor-parallel over `mesh` (default: every local
-    device); generate, the proposers and the bench take it as they take any model."""
-    mesh = mesh if mesh is not None else make_mesh(axis=axis)
-    return dataclasses.replace(model, params=shard_params(model.params, mesh, axis))

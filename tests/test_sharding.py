@@ -38,7 +38,7 @@ CHILD = textwrap.dedent("""
     folder = tempfile.mkdtemp()
     checkpoint.save(folder, params, cfg, dtype="float32")
     for n in (2, 4):
-        sm = sharding.shard(model, sharding.make_mesh(jax.devices()[:n]))
+        sm = specjax.shard(model, sharding.make_mesh(jax.devices()[:n]))
         placed = {}
         for name, leaf in [("lm_head.weight", sm.params["lm_head.weight"]),
                            ("model.norm.weight", sm.params["model.norm.weight"])] + [
@@ -71,7 +71,7 @@ CHILD = textwrap.dedent("""
                             "spec": {k: list(map(int, v)) for k, v in runs.items()},
                             "sampled": list(map(int, sampled)), "sampled_spec": list(map(int, sampled_spec))}
     try:
-        sharding.shard(model, sharding.make_mesh(jax.devices()[:3]))
+        specjax.shard(model, sharding.make_mesh(jax.devices()[:3]))
         out["three"] = "no error"
     except sharding.ShardingError as e:
         out["three"] = str(e)
