@@ -19,6 +19,7 @@ _EXPORTS = {
     "Adaptive": "adaptive",
     "Engine": "engine", "Request": "engine", "Speculation": "engine", "HostDrafter": "engine",
     "shard": "model", "make_mesh": "sharding",
+    "SpecjaxError": "errors",
 }
 
 __all__ = sorted(_EXPORTS)

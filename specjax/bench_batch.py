@@ -23,7 +23,7 @@ import numpy as np
 from .engine import Engine, Speculation
 from .model import Model, load
 from .sampling import Sampling
-from .workloads import WORKLOADS, workload
+from .workloads import WORKLOADS, PromptError, workload
 
 SAMPLINGS = {"greedy": Sampling(), "sampled": Sampling(temperature=0.6, top_k=20, top_p=0.95)}
 
@@ -112,7 +112,7 @@ def run(cfg: ConcurrencyConfig, log: Callable[[str], None] = print) -> dict[str,
 
     target = load(cfg.model)
     if target.tokenizer is None:
-        raise ValueError(f"{cfg.model}: the benchmark's prompts are text; it needs a tokenizer")
+        raise PromptError(f"{cfg.model}: the benchmark's prompts are text; it needs a tokenizer")
     hf = _hf_runner(cfg)
     methods = _methods(cfg)
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(),

@@ -29,6 +29,7 @@ import numpy as np
 
 from . import cpu_kernels
 from .config import Qwen3Config
+from .errors import SpecjaxError
 
 Params = dict[str, Any]
 Transform = Callable[[str, Any], Any]  # (name, layer tree or tensor) -> what the loaded tree holds
@@ -36,7 +37,7 @@ LAYERS = "model.layers"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(SpecjaxError):
     """A checkpoint folder or tensor that does not match what the config says."""
 
 

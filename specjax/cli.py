@@ -9,10 +9,12 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from .errors import SpecjaxError
+
 WARMUP_TOKENS = 256  # a warm-up as long as the run (up to this) touches every shape the run will
 
 
-class UsageError(ValueError):
+class UsageError(SpecjaxError):
     """A command-line request that cannot be served."""
 
 
@@ -441,15 +443,6 @@ def _serve(args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
-    from .results import GenerationError
-    from .pages import PoolError
-    from .proposers import ProposerError
-    from .sampling import SamplingError
-    from .sharding import ShardingError
-    from .workloads import PromptError
-
     try:
         if args.command == "generate":
             return _generate(args)
@@ -457,8 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args)
         if args.command == "serve":
             return _serve(args)
-    except (CheckpointError, ConfigError, GenerationError, PoolError, ProposerError, PromptError, SamplingError,
-            ShardingError, UsageError) as e:
+    except SpecjaxError as e:  # bad input, whichever part of specjax found it
         parser.exit(2, f"specjax: error: {e}\n")
     except KeyboardInterrupt:
         return 130

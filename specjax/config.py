@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .errors import SpecjaxError
 
-class ConfigError(ValueError):
+
+class ConfigError(SpecjaxError):
     """A config.json that specjax cannot run exactly."""
 
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from .errors import SpecjaxError
+
 SCRATCH = 0
 
 
-class PoolError(ValueError):
+class PoolError(SpecjaxError):
     """A request that can never fit the pool or a row."""
 
 

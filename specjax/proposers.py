@@ -18,9 +18,10 @@ import numpy as np
 from . import dflash as dflashlib
 from . import steps
 from .model import Model
+from .errors import SpecjaxError
 
 
-class ProposerError(ValueError):
+class ProposerError(SpecjaxError):
     """A proposer that cannot serve this target or these settings."""
 
 

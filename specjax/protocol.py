@@ -21,6 +21,7 @@ from typing import Any
 
 from .sampling import Sampling, SamplingError
 from .serving import Submission
+from .errors import SpecjaxError
 
 MAX_N = 64  # choices per request
 SEEDS = 2 ** 32
@@ -42,7 +43,7 @@ COMPLETION_FIELDS = COMMON | {"prompt"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 
 
-class RequestError(ValueError):
+class RequestError(SpecjaxError):
     """A request this server cannot serve: HTTP `status` with an OpenAI-style error body
     naming the field (`param`)."""
 

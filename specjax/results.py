@@ -9,13 +9,14 @@ import numpy as np
 
 from . import steps
 from .model import Model
+from .errors import SpecjaxError
 
 PREFILL_CHUNK = 128
 MIN_CAPACITY = 256
 CAPACITY_STEP = 256
 
 
-class GenerationError(ValueError):
+class GenerationError(SpecjaxError):
     """Bad generate() input: empty or out-of-vocabulary prompt, length beyond capacity."""
 
 
@@ -35,6 +36,7 @@ class Stats:
     ks: list[int] = dataclasses.field(default_factory=list)           # drafts judged per step
     accepts: list[int] = dataclasses.field(default_factory=list)      # drafts accepted per step
     choices: list = dataclasses.field(default_factory=list)           # (proposer, drafts) per step
+    branched: int = 0              # steps whose accepted path left a draft tree's first continuation
     prefill_s: float = 0.0
     propose_s: float = 0.0
     verify_s: float = 0.0

@@ -17,12 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from .errors import SpecjaxError
+
 # Counter streams: separate so that draft sampling, acceptance and residual draws are
 # independent of each other and of the target's own samples at the same position.
 TARGET, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3
 
 
-class SamplingError(ValueError):
+class SamplingError(SpecjaxError):
     """Invalid sampling parameters."""
 
 

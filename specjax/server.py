@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .checkpoint import CheckpointError
 from .engine import Engine
 from .metrics import ServerMetrics
 from .pages import PoolError
@@ -129,7 +130,7 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None) -> St
     stops with the app's lifespan."""
     model = engine.model
     if model.tokenizer is None:
-        raise ValueError(f"{model.path}: serving needs the model's tokenizer (tokenizer.json)")
+        raise CheckpointError(f"{model.path}: serving needs the model's tokenizer (tokenizer.json)")
     served = Served(name, model.tokenizer, model.config.vocab_size, tuple(model.eos_ids), engine.max_len)
     metrics = ServerMetrics(name)
     worker = EngineWorker(engine, metrics, per_request)

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import cpu_kernels
 from .checkpoint import LAYERS, Params, Transform
+from .errors import SpecjaxError
 
 AXIS = "tp"
 
@@ -36,7 +37,7 @@ SPLIT_DIM = {
 }
 
 
-class ShardingError(ValueError):
+class ShardingError(SpecjaxError):
     """A weight that cannot be split evenly over the requested devices."""
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from . import edits
+from .errors import SpecjaxError
 
 MAX_FILE_BYTES = 200_000
 HELDOUT_MODULUS = 20
@@ -89,7 +90,7 @@ def read_sources(files: Iterable[Path]) -> tuple[list[str], int]:
     return texts, skipped
 
 
-class PromptError(ValueError):
+class PromptError(SpecjaxError):
     """Benchmark prompts that cannot be built (too short a length, too few held-out files)."""
 
 

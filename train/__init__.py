@@ -8,13 +8,12 @@ from collections.abc import Callable
 
 def run(main: Callable[[], None], prog: str) -> None:
     """A stage's command-line entry: bad input (a missing folder or file, a checkpoint or
-    config that does not load) ends with one line naming it and exit code 2, as argparse's
-    own errors do, instead of a traceback."""
-    from specjax.checkpoint import CheckpointError
-    from specjax.config import ConfigError
+    config that does not load: any `SpecjaxError`) ends with one line naming it and exit
+    code 2, as argparse's own errors do, instead of a traceback."""
+    from specjax.errors import SpecjaxError
 
     try:
         main()
-    except (CheckpointError, ConfigError, FileNotFoundError, NotADirectoryError) as e:
+    except (SpecjaxError, FileNotFoundError, NotADirectoryError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(2)
