@@ -86,7 +86,7 @@ def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
         from .proposers import DFlashProposer
         drafter = load_dflash(cfg.dflash, target)
         # k up to the drafter's block (its default, the largest k, is always measured)
-        ks = sorted({k for k in cfg.dflash_ks if k < drafter.cfg.block_size} | {DFlashProposer(drafter).k})
+        ks = sorted({k for k in cfg.dflash_ks if k < drafter.config.block_size} | {DFlashProposer(drafter).k})
         rows += [("dflash", k, DFlashProposer(drafter, k=k)) for k in ks]
         pool.append(DFlashProposer(drafter, k=ks[-1]))
     rows.append(("adaptive", 0, Adaptive(*pool)))

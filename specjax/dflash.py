@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from .checkpoint import LAYERS, CheckpointError, Params
 from .config import ConfigError, Qwen3Config, read_json, typed
 from .model import Model
 from .qwen3 import attend_masked, linear, mlp, rms_norm, rope, unembed
+from .sharding import placer
 
 ARCHITECTURE = "DFlashDraftModel"
 VOCAB_FILE = "draft_vocab.json"  # {"token_ids": [...]}: a Drafter's vocab, when it has one
@@ -216,10 +218,16 @@ class Drafter:
     """
 
     params: Params
-    cfg: DFlashConfig
+    config: DFlashConfig
     dtype: Any
     path: Path | None = None
     vocab: np.ndarray | None = None
+
+    @property
+    def cfg(self) -> DFlashConfig:
+        """Deprecated name of `config` (as `Model.config`); removed in the next release."""
+        warnings.warn("Drafter.cfg is deprecated; use Drafter.config", DeprecationWarning, stacklevel=2)
+        return self.config
 
 
 def hf_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
@@ -280,8 +288,14 @@ def init(target_cfg: Qwen3Config, key: jax.Array, num_layers: int = 5, block_siz
     return Drafter(init_params(cfg, key, dtype, std), cfg, jnp.dtype(dtype))
 
 
-def load_dflash(path: str | Path, target: Model, dtype: Any = None) -> Drafter:
-    """Load a public DFlash drafter folder for `target` (a Model); dtype defaults to the target's."""
+def load_dflash(path: str | Path, target: Model, dtype: Any = None, mesh: jax.sharding.Mesh | None = None
+                ) -> Drafter:
+    """Load a public DFlash drafter folder for `target` (a Model); dtype defaults to the target's.
+
+    With a `jax.sharding.Mesh` (the target's, for a target loaded with `mesh=`), each weight
+    is placed tensor-parallel over it as it is read, by the rule that places the target's
+    (`specjax.sharding`: the layers' projections split, `fc` and the norms replicated).
+    """
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a directory")
@@ -289,7 +303,7 @@ def load_dflash(path: str | Path, target: Model, dtype: Any = None) -> Drafter:
     check_fits(cfg, target.config, str(folder / "config.json"))
     dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(target.dtype)
     params = checkpoint.layers_from_hf(checkpoint.iter_tensors(folder, hf_shapes(cfg), dtype), cfg.layer_config,
-                                       DRAFT_LAYERS, transform=checkpoint.packed)
+                                       DRAFT_LAYERS, transform=checkpoint.packed if mesh is None else placer(mesh))
     vocab = None
     if (folder / VOCAB_FILE).is_file():
         raw = read_json(folder / VOCAB_FILE)
@@ -313,14 +327,25 @@ def check_vocab(ids: Any, vocab_size: int, source: str) -> np.ndarray:
     return arr.astype(np.int32)
 
 
-def save_dflash(path: str | Path, drafter: Drafter, dtype: str = "bfloat16") -> None:
-    """Write config.json and model.safetensors in the public format."""
+def save_dflash(drafter: Drafter, path: str | Path, dtype: str = "bfloat16") -> None:
+    """Write config.json and model.safetensors in the public format (and draft_vocab.json
+    when the drafter has a draft vocabulary); the argument order of `specjax.save`.
+
+    The old order, save_dflash(path, drafter), still works for one release with a
+    DeprecationWarning (told apart by the drafter's type).
+    """
+    if isinstance(path, Drafter) and not isinstance(drafter, Drafter):
+        warnings.warn("save_dflash(path, drafter) is deprecated; use save_dflash(drafter, path), as specjax.save",
+                      DeprecationWarning, stacklevel=2)
+        drafter, path = path, drafter
+    if not isinstance(drafter, Drafter):
+        raise DFlashError(f"save_dflash(drafter, path) needs a Drafter, got {type(drafter).__name__}")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    raw = drafter.cfg.to_hf()
+    raw = drafter.config.to_hf()
     raw["torch_dtype"] = dtype
     (folder / "config.json").write_text(json.dumps(raw, indent=2))
-    checkpoint.write_tensors(folder, to_hf(drafter.params, drafter.cfg), dtype)
+    checkpoint.write_tensors(folder, to_hf(drafter.params, drafter.config), dtype)
     if drafter.vocab is not None:
         (folder / VOCAB_FILE).write_text(json.dumps({"token_ids": [int(i) for i in drafter.vocab]}))
     else:

@@ -97,11 +97,11 @@ class DFlashProposer:
         if not isinstance(self.drafter, dflashlib.Drafter):
             raise ProposerError(f"DFlashProposer needs a drafter (specjax.load_dflash(folder, target)), "
                                 f"got {type(self.drafter).__name__}")
-        largest = min(self.drafter.cfg.block_size - 1, steps.BUCKETS[-1] - 1)
+        largest = min(self.drafter.config.block_size - 1, steps.BUCKETS[-1] - 1)
         if self.k is None:
             object.__setattr__(self, "k", largest)
         check_k(self.k, steps.BUCKETS[-1] - 1)
-        if self.k > self.drafter.cfg.block_size - 1:
+        if self.k > self.drafter.config.block_size - 1:
             where = f" ({self.drafter.path})" if self.drafter.path else ""
-            raise ProposerError(f"k={self.k} exceeds block_size - 1 = {self.drafter.cfg.block_size - 1} "
+            raise ProposerError(f"k={self.k} exceeds block_size - 1 = {self.drafter.config.block_size - 1} "
                                 f"of the DFlash drafter{where}")

@@ -170,7 +170,7 @@ def test_a_drafter_needs_a_layer(tiny):
 def test_handmade_folder_loads(tiny, handmade):
     folder, t = handmade
     d = load_dflash(folder, tiny[2])
-    cfg = d.cfg
+    cfg = d.config
     assert (cfg.block_size, cfg.mask_token_id, cfg.target_layer_ids, cfg.num_target_layers) == (8, 100, (0, 2), 3)
     assert d.dtype == jnp.float32 and d.path == folder
     params = unpack_tree(d.params)  # packed for the CPU kernel where it runs
@@ -184,9 +184,9 @@ def test_handmade_folder_loads(tiny, handmade):
 
 def test_save_load_roundtrip(tiny, drafter16, tmp_path, rng):
     target = tiny[2]
-    save_dflash(tmp_path / "f32", drafter16, dtype="float32")
+    save_dflash(drafter16, tmp_path / "f32", dtype="float32")
     back = load_dflash(tmp_path / "f32", target)
-    assert back.cfg == drafter16.cfg
+    assert back.config == drafter16.config
     def same(loaded, want):  # loaded per layer; init stacks them
         stacked = checkpoint.stack(loaded, dflash.DRAFT_LAYERS)
         return jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), stacked, want))
@@ -196,18 +196,18 @@ def test_save_load_roundtrip(tiny, drafter16, tmp_path, rng):
     logits = []
     as_loaded = dataclasses.replace(drafter16, params=pack_tree(checkpoint.unstack(drafter16.params, dflash.DRAFT_LAYERS)))
     for d in (as_loaded, back):
-        c = append_context(d.params, d.cfg, init_cache(d.cfg, 256), feats, 11, np.arange(16))
-        logits.append(np.asarray(draft_block(d.params, d.cfg, c, target.params, target.config, 7, 11, k=7)))
+        c = append_context(d.params, d.config, init_cache(d.config, 256), feats, 11, np.arange(16))
+        logits.append(np.asarray(draft_block(d.params, d.config, c, target.params, target.config, 7, 11, k=7)))
     np.testing.assert_array_equal(*logits)
 
-    save_dflash(tmp_path / "bf16", drafter16)  # the published dtype by default
+    save_dflash(drafter16, tmp_path / "bf16")  # the published dtype by default
     raw = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == 16
     assert raw["dflash_config"] == {"mask_token_id": 100, "target_layer_ids": [0, 2]}
     from safetensors import safe_open
     with safe_open(tmp_path / "bf16" / "model.safetensors", framework="numpy") as f:
         assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"BF16"}
-        assert sorted(f.keys()) == sorted(dflash.hf_shapes(drafter16.cfg))
+        assert sorted(f.keys()) == sorted(dflash.hf_shapes(drafter16.config))
     half = load_dflash(tmp_path / "bf16", target)
     rounded = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), drafter16.params)
     assert same(half.params, rounded)
@@ -258,20 +258,20 @@ def test_forward_matches_numpy_through_appends(tiny, handmade, rng):
     d = load_dflash(folder, target)
     embed = ref.model.embed_tokens.weight.detach().numpy().astype(np.float64)
     feats = rng.standard_normal((2, 13, 64)) * 3
-    cache = init_cache(d.cfg, 32)
+    cache = init_cache(d.config, 32)
     length = 0
     for width, count in [(0, 0), (8, 5), (4, 2), (8, 6)]:
         if width:
             stale = 10 * rng.standard_normal((2, width - count, 64))
             chunk = np.concatenate([feats[:, length:length + count], stale], axis=1).astype(np.float32)
-            cache = append_context(d.params, d.cfg, cache, chunk, count, length + np.arange(width))
+            cache = append_context(d.params, d.config, cache, chunk, count, length + np.arange(width))
             length += count
         assert int(cache.length) == length
         last = int(rng.integers(101))
         want = _np_block_logits(t, HANDMADE, feats[:, :length], last, embed)
-        got = np.asarray(draft_block(d.params, d.cfg, cache, target.params, target.config, last, length, k=7))
+        got = np.asarray(draft_block(d.params, d.config, cache, target.params, target.config, last, length, k=7))
         assert got.shape == (7, 101) and np.abs(got - want).max() <= 1e-4
-    short = draft_block(d.params, d.cfg, cache, target.params, target.config, last, length, k=3)
+    short = draft_block(d.params, d.config, cache, target.params, target.config, last, length, k=3)
     assert np.abs(np.asarray(short) - want[:3]).max() <= 1e-4
 
 

@@ -237,7 +237,7 @@ def test_short_run_lowers_loss_and_raises_tau(cyclic, data, tmp_path):
     assert float(last[0]) < float(first[0]) - 1.0 and float(last[1]) > float(first[1])
 
     exported = specjax.load_dflash(tmp_path / "out", target)  # written when tau improved
-    assert exported.cfg == cfg
+    assert exported.config == cfg
     assert trainer.evaluate_tau(target, exported, prompts, TC.eval_tokens)["tau"] > before["tau"] + 1.0
 
 
@@ -263,7 +263,7 @@ def test_init_starts_from_a_saved_drafter(cyclic, data, tmp_path):
     target, _ = cyclic
     cfg = _cfg(target)
     saved = dflash.Drafter(dflash.init_params(cfg, jax.random.key(5), std=0.2), cfg, jnp.float32)
-    dflash.save_dflash(tmp_path / "saved", saved, dtype="float32")
+    dflash.save_dflash(saved, tmp_path / "saved", dtype="float32")
     tc = trainer.DFlashTrainConfig(steps=2, batch=2, anchors=4, lr=0.0, save_every_minutes=0)  # lr 0: no move
     out = trainer.train(target, cfg, tc, data, tmp_path / "run", init=tmp_path / "saved")
     assert_trees_equal(out["params"], saved.params)

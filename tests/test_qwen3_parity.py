@@ -110,7 +110,7 @@ def test_shipped_dflash_drafter_fits_the_target():
     root = Path(__file__).resolve().parents[1] / "checkpoints"
     target = specjax.load(root / "tiny-code")
     drafter = specjax.load_dflash(root / "tiny-code-dflash", target)
-    assert drafter.cfg.mask_token_id == target.tokenizer.mask_token_id
+    assert drafter.config.mask_token_id == target.tokenizer.mask_token_id
     ids = target.tokenizer("def add(a, b):\n    return a + b\n\n" * 3)["input_ids"]
     plain = specjax.generate(target, ids, max_new_tokens=24)
     spec = specjax.generate(target, ids, max_new_tokens=24, speculative=specjax.DFlashProposer(drafter))

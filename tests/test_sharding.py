@@ -37,6 +37,8 @@ CHILD = textwrap.dedent("""
     out = {"devices": len(jax.devices()), "meshes": {}}
     folder = tempfile.mkdtemp()
     checkpoint.save(folder, params, cfg, dtype="float32")
+    drafter_folder = tempfile.mkdtemp()
+    dflash.save_dflash(drafter, drafter_folder, dtype="float32")
     for n in (2, 4):
         sm = specjax.shard(model, sharding.make_mesh(jax.devices()[:n]))
         placed = {}
@@ -50,9 +52,14 @@ CHILD = textwrap.dedent("""
                   zip(jax.tree_util.tree_leaves_with_path(sm.params), jax.tree.leaves(streamed))
                   if not (a.sharding == b.sharding and np.array_equal(a, b))]
         got = np.asarray(forward(sm.params))
+        placed_drafter = specjax.load_dflash(drafter_folder, sm, mesh=sharding.make_mesh(jax.devices()[:n]))
+        drafter_specs = {name: [a for a in leaf.sharding.spec]
+                         for name, leaf in placed_drafter.params[dflash.DRAFT_LAYERS][0].items()}
         plain = specjax.generate(sm, ids, max_new_tokens=20).tokens
         runs = {"ngram": specjax.generate(sm, ids, max_new_tokens=20, speculative=NgramProposer(k=4)).tokens,
-                "dflash": specjax.generate(sm, ids, max_new_tokens=20, speculative=DFlashProposer(drafter, k=3)).tokens}
+                "dflash": specjax.generate(sm, ids, max_new_tokens=20, speculative=DFlashProposer(drafter, k=3)).tokens,
+                "dflash-on-mesh": specjax.generate(sm, ids, max_new_tokens=20,
+                                                   speculative=DFlashProposer(placed_drafter, k=3)).tokens}
         sampling = specjax.Sampling(temperature=0.9, top_k=20)
         sampled = specjax.generate(sm, ids, max_new_tokens=20, sampling=sampling, seed=3).tokens
         sampled_spec = specjax.generate(sm, ids, max_new_tokens=20, sampling=sampling, seed=3,
@@ -66,6 +73,7 @@ CHILD = textwrap.dedent("""
         assert alone[0] == plain
         out["meshes"][n] = {"batch": [list(map(int, r.tokens)) for r in batch],
                             "alone": [list(map(int, a)) for a in alone], "placed": placed, "streamed_differ": differ,
+                            "drafter_specs": drafter_specs,
                             "streamed_leaves": len(jax.tree.leaves(streamed)), "max_logit_diff": float(np.abs(got - want).max()),
                             "logit_scale": float(np.abs(want).max()), "plain": list(map(int, plain)),
                             "spec": {k: list(map(int, v)) for k, v in runs.items()},
@@ -115,6 +123,10 @@ def test_loading_onto_a_mesh_places_as_shard_does(sharded):
     for mesh in out["meshes"].values():
         assert mesh["streamed_leaves"] == 3 + 3 * 8, seed  # embed, norm, head; 3 layers of 8 (q/k/v, gate/up fused)
         assert mesh["streamed_differ"] == [], (seed, mesh["streamed_differ"])
+        # load_dflash(mesh=) places the drafter's layers by the same rule
+        specs = mesh["drafter_specs"]
+        assert specs["self_attn.qkv_proj.weight"][0] == "tp" and specs["self_attn.o_proj.weight"][1] == "tp", specs
+        assert not any(specs["input_layernorm.weight"]), specs
 
 
 def test_sharded_logits_match_unsharded(sharded):

@@ -157,8 +157,8 @@ def initial_state(cfg: DFlashConfig, tc: DFlashTrainConfig) -> dict:
 def state_from_drafter(folder: Path, cfg: DFlashConfig, tc: DFlashTrainConfig, target: specjax.Model) -> dict:
     """{"params", "opt_state"} starting from a saved drafter (e.g. to follow a retrained target)."""
     saved = dflash.load_dflash(folder, target, jnp.float32)
-    if saved.cfg != cfg:
-        raise ValueError(f"{folder}: --init drafter differs from the one asked for: {saved.cfg} vs {cfg}")
+    if saved.config != cfg:
+        raise ValueError(f"{folder}: --init drafter differs from the one asked for: {saved.config} vs {cfg}")
     params = checkpoint.stack(saved.params, dflash.DRAFT_LAYERS)
     print(f"initialised from {folder}")
     return {"params": params, "opt_state": lm.make_optimizer(tc).init(params)}
@@ -277,7 +277,7 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
         if record["best_tau"] is None or row["tau"] > record["best_tau"]:
             record["best_tau"] = row["tau"]
             if out_dir:
-                dflash.save_dflash(out_dir, drafter)
+                dflash.save_dflash(drafter, out_dir)
                 row["exported"] = str(out_dir)
         lm.append_metrics(run_dir, row)
         tqdm.write(f"step {step}: tau {row['tau']:.3f} " + " ".join(
