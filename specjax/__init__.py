@@ -9,16 +9,15 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "load": "model", "save": "model", "Model": "model",
+    "load": "model", "save": "model", "shard": "model", "Model": "model",
     "generate": "loop", "GenerateResult": "results", "Stats": "results",
     "Sampling": "sampling",
     "NgramProposer": "proposers", "DraftProposer": "proposers", "DFlashProposer": "proposers",
-    "LookupProposer": "lookup",
-    "load_dflash": "dflash",
+    "Adaptive": "adaptive", "LookupProposer": "adaptive",  # LookupProposer: deprecated
+    "load_dflash": "dflash", "save_dflash": "dflash", "Drafter": "dflash",
     "Qwen3Config": "config",
-    "Adaptive": "adaptive",
     "Engine": "engine", "Request": "engine", "Speculation": "engine", "HostDrafter": "engine",
-    "shard": "model", "make_mesh": "sharding",
+    "make_mesh": "sharding",
     "SpecjaxError": "errors",
 }
 

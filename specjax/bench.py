@@ -23,7 +23,6 @@ import numpy as np
 from .adaptive import Adaptive
 from .checkpoint import weight_bytes
 from .loop import generate
-from .lookup import LookupProposer
 from .model import Model, load
 from .proposers import DraftProposer, NgramProposer
 from .sampling import Sampling
@@ -75,7 +74,7 @@ def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
     """(method, k, proposer) rows; plain first."""
     rows: list[tuple[str, int, Any]] = [("plain", 0, None)]
     rows += [("ngram", k, NgramProposer(k=k)) for k in cfg.ngram_ks]
-    rows.append(("lookup", 0, LookupProposer(k=max(cfg.ngram_ks))))  # what `specjax generate` runs on CPU
+    rows.append(("lookup", 0, Adaptive(NgramProposer(k=max(cfg.ngram_ks)))))  # what `specjax generate` runs on CPU
     pool = [NgramProposer(k=max(cfg.ngram_ks))]
     if cfg.draft is not None:
         draft = load(cfg.draft, target.dtype)

@@ -78,10 +78,12 @@ def _add_generate(sub) -> None:
                    help="--prompt-file holds many prompts (one per line, or JSONL lines {\"prompt\": ...} or "
                         "{\"messages\": [...]}), generated together by the batched engine")
     p.add_argument("--max-new-tokens", type=_positive, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    samp = p.add_argument_group("sampling (each flag not given: the model folder's generation_config.json; "
+                                "greedy without one)")
+    samp.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    samp.add_argument("--top-k", type=int, default=None, help="0 = off")
+    samp.add_argument("--top-p", type=float, default=None, help="1 = off")
+    samp.add_argument("--min-p", type=float, default=None, help="0 = off")
     p.add_argument("--seed", type=int, default=0)
     _add_speculation(p)
     p.add_argument("--no-warmup", action="store_true",
@@ -233,13 +235,13 @@ def _prompt_ids(args, tokenizer, folder: Path) -> list[int]:
 
 def _proposer(args, target):
     """The proposer the flags ask for; every one drafts inside the engine's device round.
-    Prompt lookup alone is a `LookupProposer` (k chosen per round); several proposers, or
-    any k of `auto`, make an Adaptive one, chosen among per row and round."""
+    Prompt lookup (--speculate K, any K) and several proposers, or any k of `auto`, make an
+    Adaptive one, chosen among per row and round (up to each one's k); a model proposer
+    alone with a fixed k drafts that k every round."""
     import jax
 
     from .adaptive import Adaptive
     from .dflash import load_dflash
-    from .lookup import LookupProposer
     from .model import load
     from .proposers import DFlashProposer, DraftProposer, NgramProposer
 
@@ -265,9 +267,7 @@ def _proposer(args, target):
                 chosen.append((DraftProposer(load(draft, target.dtype), k=7), "auto"))
             if (dflash := _sibling(model_dir, "dflash")) is not None:
                 chosen.append((DFlashProposer(load_dflash(dflash, target)), "auto"))
-    if len(chosen) == 1 and isinstance(chosen[0][0], NgramProposer):  # lookup alone: all of it on the device
-        return LookupProposer(k=chosen[0][0].k)
-    if len(chosen) > 1 or chosen[0][1] == "auto":
+    if len(chosen) > 1 or chosen[0][1] == "auto":  # (prompt lookup's is always "auto")
         return Adaptive(*(p for p, _ in chosen))
     return chosen[0][0]
 
@@ -372,11 +372,34 @@ def _generate_batch(args, model, sampling) -> int:
     return 0
 
 
+def _sampling(args, model) -> "Sampling":
+    """The flags' sampling: each one given overrides that field of the model folder's
+    generation_config.json defaults (greedy without the file), as a vLLM request's fields
+    override its generation config. Prints the settings used on stderr."""
+    import dataclasses
+
+    from .sampling import Sampling
+
+    base = model.generation_defaults or Sampling()
+    given = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p")
+             if getattr(args, name) is not None}
+    sampling = dataclasses.replace(base, **given)
+    source = ("flags" if len(given) == 4 else "generation_config.json" if model.generation_defaults is not None
+              else "greedy: no generation_config.json")
+    if given and len(given) < 4:
+        source = f"flags {', '.join('--' + n.replace('_', '-') for n in given)}, the rest from " + (
+            "generation_config.json" if model.generation_defaults is not None else "the greedy default")
+    shown = ("greedy" if sampling.greedy else
+             f"temperature {sampling.temperature:g}, top_k {sampling.top_k}, top_p {sampling.top_p:g}, "
+             f"min_p {sampling.min_p:g}")
+    print(f"[sampling: {shown} ({source})]", file=sys.stderr)
+    return sampling
+
+
 def _generate(args) -> int:
     from .loop import generate
     from .results import capacity_for
     from .model import load
-    from .sampling import Sampling
 
     folder = args.model or default_model()
     mesh = None
@@ -389,7 +412,7 @@ def _generate(args) -> int:
             raise UsageError(f"--devices {args.devices}: only {len(devices)} local device(s)")
         mesh = make_mesh(devices[:args.devices])
     model = load(folder, mesh=mesh)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p)
+    sampling = _sampling(args, model)
     if args.batch:
         return _generate_batch(args, model, sampling)
     ids = _prompt_ids(args, model.tokenizer, folder)

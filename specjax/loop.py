@@ -4,6 +4,12 @@ One prompt runs on an engine of one row, a list of prompts on one engine with a 
 prompt (`engine.generate_one`, `engine.generate_batch`); every proposer runs inside the
 engine's compiled round (`specjax.rounds`), a Python one (`HostDrafter`) as the request's
 drafter.
+
+vLLM's and transformers' names are accepted where they name the same thing:
+`stop_token_ids` for stop_ids, and prompt lookup by `num_speculative_tokens` (with
+`prompt_lookup_min` / `prompt_lookup_max`) or a vLLM `speculative_config` dict as
+`speculative`. With no `sampling`, the model folder's generation_config.json decides, as in
+transformers and vLLM (`Model.generation_defaults`).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import numpy as np
 
 from . import engine
 from .model import Model
+from .proposers import from_vllm
 from .results import GenerateResult, GenerationError, token_ids, validate
 from .sampling import Sampling
 
@@ -26,9 +33,25 @@ def is_batch(ids: Any) -> bool:
         isinstance(p, (list, tuple, np.ndarray)) for p in ids)
 
 
-def generate(model: Model, ids: Any, *, max_new_tokens: Any, sampling: Any = Sampling(),
+def _speculative(speculative: Any, num_speculative_tokens: int | None, prompt_lookup_min: int | None,
+                 prompt_lookup_max: int | None) -> Any:
+    """The proposer `generate` runs: `speculative` as given, a vLLM speculative_config dict
+    read by `proposers.from_vllm`, or prompt lookup from vLLM's keyword names."""
+    named = {"num_speculative_tokens": num_speculative_tokens, "prompt_lookup_min": prompt_lookup_min,
+             "prompt_lookup_max": prompt_lookup_max}
+    given = {key: value for key, value in named.items() if value is not None}
+    if given:
+        if speculative is not None:
+            raise GenerationError(f"give speculative= or {sorted(given)}, not both")
+        return from_vllm({"method": "ngram", **given})
+    return from_vllm(speculative) if isinstance(speculative, dict) else speculative
+
+
+def generate(model: Model, ids: Any, *, max_new_tokens: Any, sampling: Any = None,
              stop_ids: Any = None, seed: Any = 0, speculative: Any = None,
-             capacity: int | None = None, on_tokens: Callable[[list[int]], None] | None = None
+             capacity: int | None = None, on_tokens: Callable[[list[int]], None] | None = None,
+             stop_token_ids: Any = None, num_speculative_tokens: int | None = None,
+             prompt_lookup_min: int | None = None, prompt_lookup_max: int | None = None
              ) -> GenerateResult | list[GenerateResult]:
     """Generate up to max_new_tokens after `ids`; stops after emitting any id in stop_ids
     (default: the model's eos ids, as transformers' generate; `()` never stops early).
@@ -36,17 +59,32 @@ def generate(model: Model, ids: Any, *, max_new_tokens: Any, sampling: Any = Sam
     `ids` is one prompt (a list of token ids: returns one `GenerateResult`) or a list of
     prompts (returns a list, one per prompt, run together by `specjax.Engine`; then each of
     max_new_tokens, sampling, stop_ids and seed may be a list with one value per prompt).
-    speculative: None, LookupProposer (k chosen per step), NgramProposer, DraftProposer or
-    DFlashProposer (their fixed k), Adaptive (the engine's per-step choice among at most one
-    of each), a `Speculation`, or a `HostDrafter` (any object with propose(history, limit):
-    its drafts, up to 15 a step).
+    speculative: None, NgramProposer, DraftProposer or DFlashProposer (k drafts every step),
+    Adaptive (the engine's per-step choice among at most one of each, each up to its k; e.g.
+    `Adaptive(NgramProposer(k=15))`, prompt lookup with k chosen per step), a `Speculation`,
+    or a `HostDrafter` (any object with propose(history, limit): its drafts, up to 15 a step).
 
     With `speculative` the output is the same as without it: token for token for greedy
     decoding and deterministic proposers (bitwise-equal steps: float32 on CPU; see the
     README), in distribution for sampled drafts.
     `capacity` (one prompt) bounds the tokens its row holds; `on_tokens` receives each
     step's newly committed tokens (for streaming).
+
+    sampling: a `Sampling` (or, for a list of prompts, a list of them); None takes the model
+    folder's generation_config.json (`model.generation_defaults`; greedy without one, or with
+    do_sample false or absent). stop_token_ids (vLLM's name) is stop_ids.
+    num_speculative_tokens=k (vLLM's name; with prompt_lookup_min / prompt_lookup_max) is
+    prompt lookup of k drafts a step, `NgramProposer(k, max, min)`, as is a vLLM
+    speculative_config dict `{"method": "ngram", "num_speculative_tokens": k, ...}` given
+    as `speculative`.
     """
+    if stop_token_ids is not None:
+        if stop_ids is not None:
+            raise GenerationError("give stop_ids or stop_token_ids (the same thing), not both")
+        stop_ids = stop_token_ids
+    speculative = _speculative(speculative, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
+    if sampling is None:
+        sampling = model.generation_defaults or Sampling()
     if is_batch(ids):
         if capacity is not None or on_tokens is not None:
             raise GenerationError("capacity and on_tokens apply to one prompt; a batch sizes its own pool "

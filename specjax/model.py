@@ -12,20 +12,27 @@ import jax.numpy as jnp
 
 from . import checkpoint
 from .checkpoint import CheckpointError, Params
-from .config import ConfigError, Qwen3Config, parse_eos, read_json
+from .config import ConfigError, Qwen3Config, parse_eos, read_json, typed
 from .runtime import enable_compilation_cache
+from .sampling import Sampling, SamplingError
 from .sharding import AXIS, make_mesh, placer, shard_params
 
 
 @dataclasses.dataclass(eq=False)
 class Model:
-    """What `specjax.load` returns; `generate` takes it."""
+    """What `specjax.load` returns; `generate` takes it.
+
+    `generation_defaults`: the sampling of the folder's generation_config.json, which
+    `generate` and the CLI use when the caller gives none (None: the folder has no such
+    file, and generation is greedy).
+    """
 
     config: Qwen3Config
     params: Params
     dtype: Any
     tokenizer: Any = None
     path: Path | None = None
+    generation_defaults: Sampling | None = None
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -45,21 +52,46 @@ def _load_tokenizer(folder: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(folder))
 
 
-def _generation_eos(folder: Path, cfg: Qwen3Config) -> Qwen3Config:
-    """Prefer generation_config.json's eos_token_id, as transformers' generate does."""
+# transformers' GenerationConfig values for sampling fields a generation_config.json leaves
+# out or sets to null (transformers 5.x; 4.x agree)
+HF_SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0}
+
+
+def generation_sampling(raw: dict[str, Any], source: str) -> Sampling:
+    """The sampling a generation_config.json dict asks for, as transformers reads it:
+    greedy unless do_sample is true (absent means false: transformers then ignores
+    temperature, top_k, top_p and min_p, with a warning); a field left out takes
+    transformers' default (HF_SAMPLING_DEFAULTS). A bad field is a ConfigError naming
+    `source` and the field."""
+    if not typed(raw.get("do_sample", False), bool, "do_sample", source):
+        return Sampling()
+    kinds = {"temperature": float, "top_k": int, "top_p": float, "min_p": float}
+    values = {key: typed(HF_SAMPLING_DEFAULTS[key] if raw.get(key) is None else raw[key], kind, key, source)
+              for key, kind in kinds.items()}
+    try:
+        return Sampling(**values)
+    except SamplingError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _generation_config(folder: Path, cfg: Qwen3Config) -> tuple[Qwen3Config, Sampling | None]:
+    """generation_config.json's eos_token_id (preferred, as transformers' generate does)
+    and its sampling defaults; (cfg, None) without the file."""
     gen = folder / "generation_config.json"
-    if gen.is_file():
-        raw = read_json(gen)
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{gen}: expected a JSON object, got {type(raw).__name__}")
-        eos = parse_eos(raw.get("eos_token_id"), str(gen))
-        if eos is not None:
-            return dataclasses.replace(cfg, eos_token_id=eos)
-    return cfg
+    if not gen.is_file():
+        return cfg, None
+    raw = read_json(gen)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{gen}: expected a JSON object, got {type(raw).__name__}")
+    eos = parse_eos(raw.get("eos_token_id"), str(gen))
+    if eos is not None:
+        cfg = dataclasses.replace(cfg, eos_token_id=eos)
+    return cfg, generation_sampling(raw, str(gen))
 
 
 def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = None) -> Model:
-    """Load a local Hugging Face Qwen3 folder (weights sharded or not, any float dtype).
+    """Load a local Hugging Face Qwen3 folder (weights sharded or not, any float dtype),
+    with its tokenizer and generation_config.json (eos ids, sampling defaults) when present.
 
     With a `jax.sharding.Mesh`, each weight is placed tensor-parallel over it as it is read
     (`specjax.sharding`), so a model larger than one device's memory loads; the result is
@@ -69,14 +101,14 @@ def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = N
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a directory")
-    cfg = _generation_eos(folder, Qwen3Config.from_file(folder / "config.json"))
+    cfg, defaults = _generation_config(folder, Qwen3Config.from_file(folder / "config.json"))
     dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
     if mesh is None:
         transform = checkpoint.packed
     else:
         transform = placer(mesh)
     params = checkpoint.load_params(folder, cfg, dtype, transform)
-    return Model(cfg, params, dtype, _load_tokenizer(folder), folder)
+    return Model(cfg, params, dtype, _load_tokenizer(folder), folder, defaults)
 
 
 def save(model: Model, path: str | Path, dtype: str = "bfloat16", max_shard_bytes: int | None = None) -> None:

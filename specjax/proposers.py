@@ -2,10 +2,10 @@
 
 Each is a frozen description, validated when made; `specjax.generate` runs it on
 `specjax.Engine`, which drafts inside its compiled round (`specjax.rounds`,
-`specjax.drafters`): `NgramProposer` prompt lookup with a fixed k, `DraftProposer` a
-smaller model of the target's vocabulary, `DFlashProposer` a DFlash drafter. `Adaptive`
-(`specjax.adaptive`) lets the engine choose among them; `LookupProposer`
-(`specjax.lookup`) is prompt lookup with k chosen per step.
+`specjax.drafters`): `NgramProposer` prompt lookup, `DraftProposer` a smaller model of
+the target's vocabulary, `DFlashProposer` a DFlash drafter. Each drafts exactly k tokens a
+step on its own; inside `Adaptive` (`specjax.adaptive`) k is the most the engine may choose
+per step. `from_vllm` reads vLLM's names for prompt lookup.
 """
 
 from __future__ import annotations
@@ -44,8 +44,16 @@ def check_ngram(max_ngram: int, min_ngram: int, largest: int | None = None) -> N
 
 @dataclasses.dataclass(frozen=True)
 class NgramProposer:
-    """Prompt-lookup drafts: the k tokens after the latest earlier occurrence of the longest
-    suffix (max_ngram .. min_ngram tokens) of the committed context."""
+    """Prompt lookup (vLLM's "ngram" method, transformers' prompt_lookup_num_tokens): the
+    drafts are the tokens after the latest earlier occurrence of the longest suffix
+    (max_ngram .. min_ngram tokens) of the committed context.
+
+    k: alone, the drafts of every step (fewer only where the match has fewer tokens after
+    it); inside `Adaptive`, the most the engine may choose per step. max_ngram is at most
+    32 (the on-device search unrolls one compare per length; checked when generation starts).
+    vLLM's names for these are num_speculative_tokens, prompt_lookup_max, prompt_lookup_min
+    (`from_vllm`).
+    """
 
     k: int = 4
     max_ngram: int = 3
@@ -58,7 +66,8 @@ class NgramProposer:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DraftProposer:
-    """A smaller Qwen3 with the target's vocabulary proposes k tokens, chained on the device.
+    """A smaller Qwen3 with the target's vocabulary proposes k tokens, chained on the device
+    (inside `Adaptive`: at most k).
 
     With sample=True (and non-greedy sampling) drafts are sampled from the draft's own
     transformed distribution q and verified by the general acceptance rule; otherwise
@@ -79,7 +88,8 @@ class DraftProposer:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DFlashProposer:
-    """A DFlash drafter proposes k tokens in one bidirectional pass over [last, mask x (B-1)].
+    """A DFlash drafter proposes k tokens in one bidirectional pass over [last, mask x (B-1)]
+    (inside `Adaptive`: at most k).
 
     k defaults to the largest the drafter and the verify buckets allow, min(B - 1, 15).
     With sample=True (and non-greedy sampling) each draft is drawn independently from its
@@ -105,3 +115,29 @@ class DFlashProposer:
             where = f" ({self.drafter.path})" if self.drafter.path else ""
             raise ProposerError(f"k={self.k} exceeds block_size - 1 = {self.drafter.config.block_size - 1} "
                                 f"of the DFlash drafter{where}")
+
+
+VLLM_NGRAM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+
+
+def from_vllm(config: dict[str, Any]) -> NgramProposer:
+    """The NgramProposer of a vLLM `speculative_config` for prompt lookup: {"method": "ngram",
+    "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}.
+
+    As in vLLM, where one n-gram bound is given the other takes its value; with neither,
+    NgramProposer's (3 and 1). Other methods and keys are a ProposerError naming them.
+    """
+    if not isinstance(config, dict):
+        raise ProposerError(f"a vLLM speculative_config is a dict, got {type(config).__name__}")
+    unknown = sorted(set(config) - set(VLLM_NGRAM_KEYS))
+    if unknown:
+        raise ProposerError(f"speculative_config keys {unknown} are not supported (only {list(VLLM_NGRAM_KEYS)}; "
+                            "pass a DraftProposer or DFlashProposer for model drafts)")
+    if config.get("method", "ngram") != "ngram":
+        raise ProposerError(f"speculative_config method {config['method']!r} is not supported here (only 'ngram')")
+    if config.get("num_speculative_tokens") is None:
+        raise ProposerError("speculative_config needs num_speculative_tokens (the drafts per step)")
+    hi, lo = config.get("prompt_lookup_max"), config.get("prompt_lookup_min")
+    if hi is None and lo is None:
+        hi, lo = NgramProposer.max_ngram, NgramProposer.min_ngram
+    return NgramProposer(config["num_speculative_tokens"], hi if hi is not None else lo, lo if lo is not None else hi)

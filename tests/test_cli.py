@@ -81,19 +81,18 @@ def test_default_and_flag_proposers(folder):
     import specjax
     from specjax import cli
     from specjax.adaptive import Adaptive
-    from specjax.lookup import LookupProposer
     from specjax.proposers import DraftProposer, NgramProposer
 
     target = specjax.load(folder)
     parse = lambda *flags: cli._build_parser().parse_args(["generate", "--model", str(folder), "--prompt", "x", *flags])
     default = cli._proposer(parse(), target)
     if jax.default_backend() == "cpu":
-        assert isinstance(default, LookupProposer) and default.k == 15
+        assert isinstance(default, Adaptive) and default.proposers == (NgramProposer(k=15),)
     else:
         assert isinstance(default, Adaptive)
         assert [type(p) for p in default.proposers] == [NgramProposer, DraftProposer]  # the m-draft sibling
     fixed = cli._proposer(parse("--speculate", "5"), target)
-    assert isinstance(fixed, LookupProposer) and fixed.k == 5
+    assert isinstance(fixed, Adaptive) and fixed.proposers == (NgramProposer(k=5),)
     both = cli._proposer(parse("--speculate", "5", "--draft", str(folder.parent / "m-draft")), target)
     assert isinstance(both, Adaptive) and [type(p) for p in both.proposers] == [NgramProposer, DraftProposer]
     draft = cli._proposer(parse("--draft", str(folder.parent / "m-draft"), "--draft-k", "3"), target)

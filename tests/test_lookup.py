@@ -31,9 +31,9 @@ def test_find_equals_brute_force_lookup(rng):
             np.testing.assert_array_equal(np.asarray(drafts)[:int(n)], want)
 
 
-@pytest.mark.parametrize("k, n_steps", [(2, 16), (15, 5)])
-def test_greedy_and_sampled_equal_plain(cyclic_target, tiny, rng, k, n_steps):
-    prop = lookup.LookupProposer(k=k, steps=n_steps)
+@pytest.mark.parametrize("k", [2, 15])
+def test_greedy_and_sampled_equal_plain(cyclic_target, tiny, rng, k):
+    prop = specjax.Adaptive(specjax.NgramProposer(k=k))  # prompt lookup, k chosen per step
     for model in (cyclic_target, tiny[2]):
         ids = repeating_prompt(rng, model.config.vocab_size)
         for sampling in (Sampling(), SAMPLED):
@@ -51,7 +51,7 @@ def test_greedy_and_sampled_equal_plain(cyclic_target, tiny, rng, k, n_steps):
 def test_stop_ids_and_max_new_tokens(cyclic_target, rng):
     ids = repeating_prompt(rng, cyclic_target.config.vocab_size)
     plain = specjax.generate(cyclic_target, ids, max_new_tokens=60).tokens
-    prop = lookup.LookupProposer(k=7)
+    prop = specjax.Adaptive(specjax.NgramProposer(k=7))
     for cut in (1, 2, 9, 23):
         assert specjax.generate(cyclic_target, ids, max_new_tokens=cut, speculative=prop).tokens == plain[:cut]
     for stop in set(plain[5:20]):
@@ -115,22 +115,17 @@ def test_one_slow_call_does_not_set_a_widths_cost(rng):
     assert 0.6 < got[3] < 1.25 and np.abs(got - 1).max() < 0.45  # unclipped: width 8 up to 2.1x
 
 
-def test_bad_options():
+def test_bad_options(cyclic_target):
     for bad in (0, 16):
         with pytest.raises(ProposerError, match="k must be"):
-            lookup.LookupProposer(k=bad)
+            specjax.NgramProposer(k=bad)
     with pytest.raises(ProposerError, match="min_ngram"):
-        lookup.LookupProposer(max_ngram=1, min_ngram=2)
-    with pytest.raises(ProposerError, match="steps"):
-        lookup.LookupProposer(steps=0)
+        specjax.NgramProposer(max_ngram=1, min_ngram=2)
     for kw in (dict(max_ngram=2.5), dict(max_ngram="3"), dict(min_ngram=None)):
         with pytest.raises(ProposerError, match="need integers"):
-            lookup.LookupProposer(**kw)
-    with pytest.raises(ProposerError, match="at most 32"):
-        lookup.LookupProposer(max_ngram=33)
-    assert lookup.LookupProposer(k=np.int64(3)).k == 3
-
-
-def test_cannot_be_wrapped():
-    with pytest.raises(ProposerError, match="cannot be wrapped"):
-        specjax.Adaptive(lookup.LookupProposer())
+            specjax.NgramProposer(**kw)
+    # the on-device search's bound, checked when generation starts (before anything compiles)
+    for spec in (specjax.NgramProposer(max_ngram=33), specjax.Adaptive(specjax.NgramProposer(max_ngram=33))):
+        with pytest.raises(ProposerError, match="at most 32"):
+            specjax.generate(cyclic_target, [1, 2, 3], max_new_tokens=2, speculative=spec)
+    assert specjax.NgramProposer(k=np.int64(3)).k == 3
