@@ -39,7 +39,7 @@ def find(history: jax.Array, size: jax.Array, k: int, max_ngram: int, min_ngram:
     found = score[end] >= 0
     drafts = jax.lax.dynamic_slice(history, (end + 1,), (k,))
     n = jnp.where(found, jnp.minimum(k, size - 1 - end), 0)
-    return drafts, n, jnp.where(found, matched[end], 0)
+    return drafts, n, jnp.where(found, score[end] // history.shape[0], 0)
 
 
 def _scores(history: jax.Array, size: jax.Array, max_ngram: int, min_ngram: int) -> jax.Array:
