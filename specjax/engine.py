@@ -167,7 +167,7 @@ class Engine:
             if not isinstance(dflash, Drafter):
                 raise ProposerError(f"dflash must be a DFlash drafter (specjax.load_dflash(folder, target)), got "
                                     f"{type(dflash).__name__}")
-            problems = fit_problems(dflash.cfg, cfg)
+            problems = fit_problems(dflash.config, cfg)
             if problems:
                 raise ProposerError(f"DFlash drafter{where} does not fit the target: " + "; ".join(problems))
             if jnp.dtype(dflash.dtype) != jnp.dtype(model.dtype):
@@ -194,12 +194,12 @@ class Engine:
         if dflash is not None:
             head = (head_weight(model.params, cfg) if self.fhead is None else self.fhead[0]).nbytes
             self.model_costs.append(("block", (weight_bytes(dflash.params) + head) / target_bytes,
-                                     dflash.cfg.block_size))
+                                     dflash.config.block_size))
         self.max_batch, self.page_size, self.n_rounds = max_batch, page_size, rounds
         self.join_rounds = max(1, rounds // 4)
         self.max_len = max_len
         # slots a row may write past its length in a round: a verify step, a DFlash block
-        self.margin = max(SPAN, dflash.cfg.block_size if dflash is not None else 0)
+        self.margin = max(SPAN, dflash.config.block_size if dflash is not None else 0)
         self.pages_per_row = -(-(max_len + self.margin) // page_size)
         num_pages = max_batch * self.pages_per_row + 1 if num_pages is None else num_pages
         self.pages = PageAllocator(num_pages, page_size)
@@ -213,7 +213,7 @@ class Engine:
             self.dk_pool, self.dv_pool = jnp.zeros(dshape, draft.dtype), jnp.zeros(dshape, draft.dtype)
         self.fk_pool = self.fv_pool = self.ft_pool = None
         if dflash is not None:
-            f = dflash.cfg
+            f = dflash.config
             fshape = (f.num_hidden_layers, f.num_key_value_heads, num_pages, page_size, f.head_dim)
             self.fk_pool, self.fv_pool = jnp.zeros(fshape, dflash.dtype), jnp.zeros(fshape, dflash.dtype)
             self.ft_pool = jnp.zeros((1, len(f.target_layer_ids), num_pages, page_size, cfg.hidden_size), model.dtype)
@@ -373,7 +373,7 @@ class Engine:
         """prefill_chunk's keywords that stash the target's taps for the DFlash drafter."""
         if self.dflash is None:
             return {}
-        return {"fkv": self._dflash_state(table, np.zeros(1, np.int32)), "taps": self.dflash.cfg.target_layer_ids}
+        return {"fkv": self._dflash_state(table, np.zeros(1, np.int32)), "taps": self.dflash.config.target_layer_ids}
 
     def _keep_dflash(self, fc: DFlashCache | None) -> None:
         """Hold the DFlash pools a compiled call returned (its inputs were donated)."""
@@ -487,7 +487,7 @@ class Engine:
             jnp.asarray(costs.ratios().reshape(groups, -1), jnp.float32), jnp.asarray(seeds),
             RowSampling.of(settings), None if d is None else d.params, dkv,
             fhead=self.fhead, given=None if given is None else tuple(map(jnp.asarray, given)),
-            **({} if self.dflash is None else {"fparams": self.dflash.params, "fcfg": self.dflash.cfg,
+            **({} if self.dflash is None else {"fparams": self.dflash.params, "fcfg": self.dflash.config,
                                                "fkv": self._dflash_state(table, clen)}),
             dcfg=None if d is None else d.config, k=self.compiled_k,
             limit=jnp.int32(n_rounds), max_ngram=self.spec.max_ngram, min_ngram=self.spec.min_ngram,
@@ -559,36 +559,32 @@ def _per_prompt(value: Any, n: int, name: str, is_one) -> list:
 def engine_options(speculative: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(Engine keywords, submit keywords) for a `generate` proposer argument.
 
-    None: plain decoding; a `Speculation` as given; LookupProposer: prompt lookup with k
-    chosen per round, `steps` rounds per call; NgramProposer / DraftProposer /
+    None: plain decoding; a `Speculation` as given; NgramProposer / DraftProposer /
     DFlashProposer: drafts of their fixed k each step (what they mean on their own); an
     Adaptive (at most one of each): the engine chooses among them per row and round; a
     `HostDrafter`: that object drafts for each request, up to 15 drafts a round.
     """
     from .adaptive import Adaptive
-    from .lookup import LookupProposer
     from .proposers import DFlashProposer, DraftProposer, NgramProposer
 
     if speculative is None or isinstance(speculative, Speculation):
         return {"speculative": speculative}, {}
-    kinds = (Adaptive, LookupProposer, NgramProposer, DraftProposer, DFlashProposer)
+    kinds = (Adaptive, NgramProposer, DraftProposer, DFlashProposer)
     if not isinstance(speculative, kinds):
         if isinstance(speculative, HostDrafter):
             return {"speculative": Speculation(k=SPAN - 1)}, {"drafter": speculative}
-        raise GenerationError(f"speculative must be None, a Speculation, a LookupProposer, NgramProposer, "
-                              f"DraftProposer or DFlashProposer, an Adaptive over them, or a HostDrafter (an "
-                              f"object with propose(history, limit)); got {type(speculative).__name__}")
-    adaptive = isinstance(speculative, (Adaptive, LookupProposer))
-    parts = speculative.proposers if isinstance(speculative, Adaptive) else (speculative,)
-    lookups = [p for p in parts if isinstance(p, (LookupProposer, NgramProposer))]
+        raise GenerationError(f"speculative must be None, a Speculation, an NgramProposer, DraftProposer or "
+                              f"DFlashProposer, an Adaptive over them, or a HostDrafter (an object with "
+                              f"propose(history, limit)); got {type(speculative).__name__}")
+    adaptive = isinstance(speculative, Adaptive)
+    parts = speculative.proposers if adaptive else (speculative,)
+    lookups = [p for p in parts if isinstance(p, NgramProposer)]
     drafts = [p for p in parts if isinstance(p, DraftProposer)]
     blocks = [p for p in parts if isinstance(p, DFlashProposer)]
     models = drafts + blocks
     ngram = lookups[0] if lookups else NgramProposer()
     options: dict[str, Any] = {"speculative": Speculation(max(p.k for p in parts), ngram.max_ngram, ngram.min_ngram,
                                                           adaptive=adaptive)}
-    if isinstance(speculative, LookupProposer):
-        options["rounds"] = speculative.steps
     if drafts:
         options["draft"] = drafts[0].model
     if blocks:

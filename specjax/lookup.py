@@ -1,5 +1,5 @@
-"""Prompt lookup: the n-gram search on the device, the acceptance model the engine's
-chooser uses for every proposer, and `LookupProposer`, prompt lookup's settings.
+"""Prompt lookup on the device: the n-gram search (`find`), its tree form (`tree`), and
+the acceptance model the engine's chooser uses for every proposer.
 
 The acceptance model: a proposer's drafts in one class (for prompt lookup, the n-gram
 length m matched; the draft model is one class) are accepted at two rates, q that the
@@ -15,14 +15,10 @@ get tried.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import steps
-from .proposers import ProposerError, check_k, check_ngram
 
 MAX_NGRAM = 32  # find() unrolls one comparison per n: compile time grows with it
 
@@ -125,23 +121,3 @@ def expected_tokens(q: jax.Array, r: jax.Array, n: jax.Array) -> jax.Array:
 PRIOR_ACCEPT = np.array([0.5, 0.8], np.float32)
 PSEUDO = 2.0
 ACCEPT_DECAY = 0.95  # weight of the past per scored lookup (~20 lookups)
-@dataclasses.dataclass(frozen=True)
-class LookupProposer:
-    """Prompt lookup with k chosen per step on the device, `steps` steps per device call.
-
-    The same drafts as `NgramProposer` (at most k, longest match of max_ngram .. min_ngram
-    tokens); run by `specjax.Engine`, which chooses each step's k from the row's measured
-    acceptance per match length and the measured step costs (module docstring). Being
-    deterministic, greedy and sampled output equal plain decoding token for token.
-    """
-
-    k: int = 15
-    max_ngram: int = 3
-    min_ngram: int = 1
-    steps: int = 16
-
-    def __post_init__(self) -> None:
-        check_k(self.k, steps.BUCKETS[-1] - 1)
-        check_ngram(self.max_ngram, self.min_ngram, MAX_NGRAM)
-        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
-            raise ProposerError(f"steps must be an integer >= 1, got {self.steps!r}")

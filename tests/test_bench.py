@@ -102,7 +102,7 @@ def test_method_rows_fit_the_proposers(tmp_path):
 
     target_dir = _random_model(tmp_path / "t", 32, 2, 1)
     target = specjax.load(target_dir)
-    dflash.save_dflash(tmp_path / "d", dflash.init(target.config, jax.random.key(0), num_layers=1, block_size=4))
+    dflash.save_dflash(dflash.init(target.config, jax.random.key(0), num_layers=1, block_size=4), tmp_path / "d")
     cfg = bench.BenchConfig(model=target_dir, dflash=tmp_path / "d", dflash_ks=(2, 7, 15), ngram_ks=(3,))
     names = [(name, k) for name, k, _ in bench._methods(cfg, target)]
     assert names == [("plain", 0), ("ngram", 3), ("lookup", 0), ("dflash", 2), ("dflash", 3), ("adaptive", 0)]

@@ -37,7 +37,7 @@ def test_greedy_rows_equal_plain_generate_alone(cyclic_target, rng):
     full = [specjax.generate(model, p, max_new_tokens=n, stop_ids=()).tokens for p, n in zip(prompts, news)]
     stops = [[], [full[1][6]], [], [full[3][2], full[3][20]], [], []]
     alone = [specjax.generate(model, p, max_new_tokens=n, stop_ids=s) for p, n, s in zip(prompts, news, stops)]
-    for spec in (None, specjax.LookupProposer(k=7)):
+    for spec in (None, specjax.Adaptive(specjax.NgramProposer(k=7))):
         got = specjax.generate(model, prompts, max_new_tokens=news, stop_ids=stops, speculative=spec)
         assert [g.tokens for g in got] == [a.tokens for a in alone]
         assert [g.stopped for g in got] == [a.stopped for a in alone]
@@ -54,13 +54,13 @@ def test_sampled_rows_equal_their_plain_run_alone(cyclic_target, rng):
     alone = [solo.submit(p, max_new_tokens=30, sampling=s, seed=sd, stop_ids=()).result().tokens
              for p, s, sd in zip(prompts, SETTINGS, seeds)]
     got = specjax.generate(model, prompts, max_new_tokens=30, sampling=SETTINGS, seed=seeds, stop_ids=(),
-                           speculative=specjax.LookupProposer(k=7))
+                           speculative=specjax.Adaptive(specjax.NgramProposer(k=7)))
     assert [g.tokens for g in got] == alone
     # the same requests in another order (other neighbours, other rows, other pages)
     order = rng.permutation(len(prompts))
     again = specjax.generate(model, [prompts[i] for i in order], max_new_tokens=30,
                              sampling=[SETTINGS[i] for i in order], seed=[seeds[i] for i in order], stop_ids=(),
-                             speculative=specjax.LookupProposer(k=3))
+                             speculative=specjax.Adaptive(specjax.NgramProposer(k=3)))
     assert [g.tokens for g in again] == [alone[i] for i in order]
 
 
@@ -163,7 +163,7 @@ def test_new_sampling_values_compile_nothing(cyclic_target, rng):
 
     def run(settings):
         return specjax.generate(model, prompts, max_new_tokens=20, sampling=settings, seed=[1, 2, 3], stop_ids=(),
-                                speculative=specjax.LookupProposer(k=7))
+                                speculative=specjax.Adaptive(specjax.NgramProposer(k=7)))
 
     run([Sampling(0.7, top_p=0.9), Sampling(1.0, top_k=10), Sampling()])
     before = len(compiles)

@@ -45,7 +45,7 @@ def test_paged_context_and_block_equal_the_single_sequence_drafter(tiny, rng):
     model = tiny[2]
     cfg = model.config
     drafter = dflash.init(cfg, jax.random.key(0), num_layers=2, block_size=16, target_layer_ids=(0, 2), std=0.2)
-    d = drafter.cfg
+    d = drafter.config
     lengths = [37, 90]
     page, per_row = 16, 8
     order = rng.permutation(np.arange(1, 2 * per_row + 1))
@@ -84,7 +84,7 @@ def test_context_rows_after_rejected_drafts_are_those_of_the_committed_tokens(de
     engine has written for a row (positions below its count) equal `append_context` over
     a fresh forward of its committed tokens."""
     target, drafter = deep
-    d = drafter.cfg
+    d = drafter.config
     engine = Engine(target, Speculation(k=7, adaptive=False), dflash=drafter, max_batch=2, max_len=256, rounds=4)
     reqs = [engine.submit(p, max_new_tokens=120, stop_ids=(), lookup=False)
             for p in (rng.integers(0, 101, 70), rng.integers(0, 101, 9))]
@@ -115,7 +115,7 @@ def test_draft_vocabulary_drafts_are_the_full_heads_argmax_within_it(tiny, rng):
     model = tiny[2]
     cfg = model.config
     drafter = dflash.init(cfg, jax.random.key(3), num_layers=1, block_size=8, target_layer_ids=(1,), std=0.3)
-    d = drafter.cfg
+    d = drafter.config
     vocab = _some_vocab(rng, cfg.vocab_size, 30)
     page = 16
     shape = (d.num_hidden_layers, d.num_key_value_heads, 9, page, d.head_dim)
@@ -147,9 +147,9 @@ def test_draft_vocabulary_saves_loads_and_is_checked(tiny, tmp_path, rng):
     model = tiny[2]
     drafter = dflash.init(model.config, jax.random.key(4), num_layers=1, block_size=4, std=0.2)
     vocab = _some_vocab(rng, model.config.vocab_size, 40)
-    save_dflash(tmp_path / "d", dataclasses.replace(drafter, vocab=vocab), dtype="float32")
+    save_dflash(dataclasses.replace(drafter, vocab=vocab), tmp_path / "d", dtype="float32")
     np.testing.assert_array_equal(load_dflash(tmp_path / "d", model).vocab, vocab)
-    save_dflash(tmp_path / "d", drafter, dtype="float32")  # without one: the file goes too
+    save_dflash(drafter, tmp_path / "d", dtype="float32")  # without one: the file goes too
     assert load_dflash(tmp_path / "d", model).vocab is None
     for bad, why in (([3, 3, 5], "sorted and distinct"), ([1, 500], r"lie in \[0, 101\)"), ([], "non-empty"),
                      ([[1, 2]], "flat list")):

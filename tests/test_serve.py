@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "checkpoints" / "tiny-code"
 NAME = "tiny-code-chat"
 MAX_LEN = 256  # prompt + max_tokens <= 112 in every test: `generate` then sizes its engine alike
-LOOKUP = specjax.LookupProposer(k=1)  # the served speculation, and the references'
+LOOKUP = specjax.Adaptive(specjax.NgramProposer(k=1))  # the served speculation, and the references'
 # a template of the tests' own, rendered again by hand below (the shipped model has none)
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")

@@ -66,7 +66,7 @@ CHILD = textwrap.dedent("""
                                         speculative=NgramProposer(k=4)).tokens
         prompts = [ids, ids[:10], ids[5:]]
         batch = specjax.generate(sm, prompts, max_new_tokens=[20, 12, 16], sampling=[specjax.Sampling(), sampling,
-                                 specjax.Sampling()], seed=[0, 3, 0], speculative=specjax.LookupProposer(k=4))
+                                 specjax.Sampling()], seed=[0, 3, 0], speculative=specjax.Adaptive(specjax.NgramProposer(k=4)))
         alone = [specjax.generate(sm, p, max_new_tokens=m, sampling=s, seed=sd).tokens
                  for p, m, s, sd in zip(prompts, [20, 12, 16], [specjax.Sampling(), sampling, specjax.Sampling()],
                                         [0, 3, 0])]
