@@ -63,6 +63,9 @@ def _add_speculation(p) -> None:
                       help="DFlash drafts per step (default: block_size - 1, at most 15); auto: adaptive k")
     spec.add_argument("--sample-drafts", action="store_true",
                       help="sample draft-model / DFlash tokens (general acceptance rule)")
+    spec.add_argument("--tree", type=int, default=0, metavar="N",
+                      help="prompt lookup drafts a tree of up to N nodes where earlier matches continue "
+                           "differently, verified in one step (0: chains)")
 
 
 def _add_generate(sub) -> None:
@@ -249,7 +252,7 @@ def _proposer(args, target):
         return None
     chosen = []
     if args.speculate is not None:
-        chosen.append((NgramProposer(k=15 if args.speculate == "auto" else args.speculate), "auto"))
+        chosen.append((NgramProposer(k=15 if args.speculate == "auto" else args.speculate, tree=args.tree), "auto"))
     if args.draft is not None:
         k = 7 if args.draft_k == "auto" else args.draft_k
         chosen.append((DraftProposer(load(args.draft, target.dtype), k=k, sample=args.sample_drafts), args.draft_k))
@@ -260,7 +263,7 @@ def _proposer(args, target):
     # (docs/performance.md, section 4): on CPU a DFlash round costs ~2.9 plain rounds, so
     # the shipped drafter (tau ~2) loses to plain decoding and to lookup alone.
     if not chosen:
-        chosen = [(NgramProposer(k=15), "auto")]
+        chosen = [(NgramProposer(k=15, tree=args.tree), "auto")]
         model_dir = args.model or default_model()
         if jax.default_backend() != "cpu":
             if (draft := _sibling(model_dir, "draft")) is not None:
@@ -347,7 +350,8 @@ def _generate_batch(args, model, sampling) -> int:
     if args.draft is not None or args.dflash is not None:
         raise UsageError("--batch drafts by prompt lookup (--speculate K) or not at all (--no-speculate)")
     prompts = _batch_prompts(args, model.tokenizer, folder)
-    spec = None if args.no_speculate else Speculation(k=15 if args.speculate in (None, "auto") else args.speculate)
+    spec = None if args.no_speculate else Speculation(k=15 if args.speculate in (None, "auto") else args.speculate,
+                                                      tree=args.tree)
     kw = dict(sampling=sampling, seed=args.seed, stop_ids=model.eos_ids, speculative=spec)
     t0 = time.perf_counter()
     if not args.no_warmup:

@@ -47,16 +47,22 @@ _COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> {(r
 class Speculation:
     """The engine's prompt-lookup settings: k is the most drafts any row may make (a
     request asks for at most k, or 0 for plain decoding); n-gram lengths max .. min.
-    adaptive=False drafts every match in full instead of choosing (fixed k)."""
+    adaptive=False drafts every match in full instead of choosing (fixed k). tree > 0:
+    prompt lookup drafts a tree of up to that many nodes (`lookup.tree`: where earlier
+    matches continue differently it branches) in place of a chain; 0: chains."""
 
     k: int = 15
     max_ngram: int = 3
     min_ngram: int = 1
     adaptive: bool = True
+    tree: int = 0
 
     def __post_init__(self) -> None:
         check_k(self.k, SPAN - 1)
         check_ngram(self.max_ngram, self.min_ngram, MAX_NGRAM)
+        if isinstance(self.tree, bool) or not isinstance(self.tree, int) or not 0 <= self.tree <= SPAN - 1:
+            raise ProposerError(f"tree must be an integer in [0, {SPAN - 1}] (nodes of a lookup tree; 0: chains), "
+                                f"got {self.tree!r}")
 
 
 @runtime_checkable
@@ -74,9 +80,11 @@ class Request:
     run the engine until it is done, `cancel()` to drop it (its pages return to the pool)."""
 
     def __init__(self, engine: "Engine", rid: int, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling,
-                 seed: int, stops: frozenset[int], k: int, use: tuple[bool, bool, bool], drafter: HostDrafter | None):
+                 seed: int, stops: frozenset[int], k: int, use: tuple[bool, bool, bool], drafter: HostDrafter | None,
+                 tree: int = 0):
         self.engine, self.id, self.prompt = engine, rid, prompt
         self.max_new_tokens, self.sampling, self.seed, self.stops, self.k = max_new_tokens, sampling, seed, stops, k
+        self.tree = tree  # nodes of its lookup trees (0: chains)
         self.use = use  # may take (lookup or host, draft-model, DFlash) drafts
         self.drafter = drafter
         self.tokens: list[int] = []
@@ -228,14 +236,16 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def submit(self, ids: Sequence[int], *, max_new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
                stop_ids: Sequence[int] | None = None, k: int | None = None, lookup: bool = True,
-               draft: bool = True, dflash: bool = True, drafter: HostDrafter | None = None) -> Request:
+               draft: bool = True, dflash: bool = True, drafter: HostDrafter | None = None,
+               tree: int | None = None) -> Request:
         """Queue a request; it joins the batch when a row and its pages are free.
 
         stop_ids defaults to the model's eos ids (`()` never stops early); k (at most the
         engine's) limits this request's drafts, 0 for plain decoding; lookup / draft / dflash
         say whether it may take prompt-lookup, draft-model and DFlash drafts; a `drafter` (a Python
         proposer) replaces prompt lookup for this request (one round per device call while
-        it runs)."""
+        it runs); tree (at most the engine's `Speculation.tree`, default it) the nodes of
+        its lookup trees, 0 for chains."""
         ids = token_ids(ids)
         validate(self.model, ids, max_new_tokens, None, seed)
         if not isinstance(sampling, Sampling):
@@ -243,6 +253,10 @@ class Engine:
         k = self.k if k is None else k
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.k:
             raise GenerationError(f"k must be an integer in [0, {self.k}] (the engine's speculative k), got {k!r}")
+        tree = self.spec.tree if tree is None else tree
+        if isinstance(tree, bool) or not isinstance(tree, int) or not 0 <= tree <= self.spec.tree:
+            raise GenerationError(f"tree must be an integer in [0, {self.spec.tree}] (the engine's Speculation.tree), "
+                                  f"got {tree!r}")
         total = len(ids) + max_new_tokens
         if total > self.max_len:
             raise PoolError(f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) = {total} tokens exceeds the "
@@ -256,7 +270,7 @@ class Engine:
             raise GenerationError(f"drafter must have a propose(history, limit) method, got {type(drafter).__name__}")
         req = Request(self, self._next_id, ids.astype(np.int32), max_new_tokens, sampling, seed, stops, k,
                       (bool(lookup) or drafter is not None, bool(draft) and self.draft is not None,
-                       bool(dflash) and self.dflash is not None), drafter)
+                       bool(dflash) and self.dflash is not None), drafter, tree)
         req.reserved = need
         self._next_id += 1
         self.queue.append(req)
@@ -420,6 +434,7 @@ class Engine:
                 if c == 0:
                     continue
                 r.stats.record(n, c - 1)
+                r.stats.branched += bool(log["branched"][i, b])
                 source = int(log["source"][i, b])
                 r.stats.choices.append((None if source < 0 else "host" if r.drafter is not None and source == 0
                                         else SOURCES[source], n))
@@ -435,6 +450,7 @@ class Engine:
         budget = np.zeros(rows, np.int32)
         stops = np.full((rows, STOPS), -1, np.int32)
         row_k = np.zeros(rows, np.int32)
+        row_tree = np.zeros(rows, np.int32)
         seeds = np.zeros(rows, np.uint32)
         settings = [Sampling()] * rows
         zeros = np.zeros((rows, 2, columns(self.spec.max_ngram)), np.float32)
@@ -465,6 +481,7 @@ class Engine:
             listed = sorted(r.stops)[:STOPS]
             stops[b, :len(listed)] = listed
             row_k[b], seeds[b], settings[b], use[b], dlen[b], clen[b] = r.k, r.seed, r.sampling, r.use, r.dlen, r.clen
+            row_tree[b] = r.tree
             state["accepted"][b], state["judged"][b] = r.state["accepted"], r.state["judged"]
         idle = np.ones(rows, bool)
         idle[[r.slot for r in live]] = False
@@ -490,7 +507,8 @@ class Engine:
             **({} if self.dflash is None else {"fparams": self.dflash.params, "fcfg": self.dflash.config,
                                                "fkv": self._dflash_state(table, clen)}),
             dcfg=None if d is None else d.config, k=self.compiled_k,
-            limit=jnp.int32(n_rounds), max_ngram=self.spec.max_ngram, min_ngram=self.spec.min_ngram,
+            limit=jnp.int32(n_rounds), row_tree=jnp.asarray(row_tree) if self.spec.tree else None,
+            tree=self.spec.tree, max_ngram=self.spec.max_ngram, min_ngram=self.spec.min_ngram,
             n_rounds=self.n_rounds, sampled=sampled,
             sample_drafts=self.sample_drafts, adaptive=self.spec.adaptive)
         self.k_pool, self.v_pool = kv.k, kv.v
@@ -562,7 +580,8 @@ def engine_options(speculative: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     None: plain decoding; a `Speculation` as given; NgramProposer / DraftProposer /
     DFlashProposer: drafts of their fixed k each step (what they mean on their own); an
     Adaptive (at most one of each): the engine chooses among them per row and round; a
-    `HostDrafter`: that object drafts for each request, up to 15 drafts a round.
+    `HostDrafter`: that object drafts for each request, up to 15 drafts a round. An
+    NgramProposer's tree is the engine's `Speculation.tree`.
     """
     from .adaptive import Adaptive
     from .proposers import DFlashProposer, DraftProposer, NgramProposer
@@ -584,7 +603,7 @@ def engine_options(speculative: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     models = drafts + blocks
     ngram = lookups[0] if lookups else NgramProposer()
     options: dict[str, Any] = {"speculative": Speculation(max(p.k for p in parts), ngram.max_ngram, ngram.min_ngram,
-                                                          adaptive=adaptive)}
+                                                          adaptive=adaptive, tree=ngram.tree)}
     if drafts:
         options["draft"] = drafts[0].model
     if blocks:

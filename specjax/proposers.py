@@ -52,16 +52,22 @@ class NgramProposer:
     it); inside `Adaptive`, the most the engine may choose per step. max_ngram is at most
     32 (the on-device search unrolls one compare per length; checked when generation starts).
     vLLM's names for these are num_speculative_tokens, prompt_lookup_max, prompt_lookup_min
-    (`from_vllm`).
+    (`from_vllm`). tree > 0: a tree of up to that many nodes (at most as many as the chain
+    would have drafts) where earlier matches continue differently (`specjax.lookup.tree`),
+    verified in one step; 0: chains.
     """
 
     k: int = 4
     max_ngram: int = 3
     min_ngram: int = 1
+    tree: int = 0
 
     def __post_init__(self) -> None:
         check_k(self.k, steps.BUCKETS[-1] - 1)
         check_ngram(self.max_ngram, self.min_ngram)  # the engine's Speculation bounds max_ngram
+        if not _is_int(self.tree) or not 0 <= self.tree <= steps.BUCKETS[-1] - 1:
+            raise ProposerError(f"tree must be an integer in [0, {steps.BUCKETS[-1] - 1}] (nodes of a lookup "
+                                f"tree; 0: chains), got {self.tree!r}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -34,13 +34,13 @@ import jax
 import jax.numpy as jnp
 
 from . import sampling as smp
-from . import steps
+from . import steps, trees
 from .checkpoint import Params
 from .config import Qwen3Config
 from .dflash import DFlashConfig
 from .drafters import DFlashCache, Head, block_drafts, chain, draft_token, feed, stash
-from .kv import KVCache
-from .lookup import ACCEPT_DECAY, PRIOR_ACCEPT, PSEUDO, expected_tokens, find
+from .kv import KVCache, write_layer
+from .lookup import ACCEPT_DECAY, PRIOR_ACCEPT, PSEUDO, capacity, expected_tokens, find, tree as lookup_tree
 from .qwen3 import hidden_states, unembed
 from .sampling import RowSampling
 
@@ -58,32 +58,60 @@ def columns(max_ngram: int) -> int:
 
 def _verify(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, drafts: jax.Array,
             n: jax.Array, live: jax.Array, general: jax.Array, logq: jax.Array | None, seeds: jax.Array,
-            rs: RowSampling, width: int, sampled: bool, taps: tuple[int, ...] = ()):
+            rs: RowSampling, width: int, sampled: bool, taps: tuple[int, ...] = (),
+            parents: jax.Array | None = None):
     """Score [last, d1 .. d_{W-1}] for every row [R] and commit each row's accepted prefix
-    (rows where `general` is set by the rule for sampled drafts, with their logq).
+    (rows where `general` is set by the rule for sampled drafts, with their logq). With
+    `parents` [R, >= W] the drafts are trees (`specjax.trees`; a chain row's parents are
+    i - 1): each row commits its accepted path, whose keys and values move to the row's
+    next positions.
 
     Returns (tokens [R, SPAN]: t_1 .. t_W, count [R] = accepted + 1 (0 for rows not live),
-    nan flag over live rows, cache, the target's taps [n, R, W, D] or None)."""
+    nan flag over live rows, cache, the target's taps [n, R, W, D] or None, path [R, W]
+    (the accepted path's nodes; the identity for chains))."""
     rows = last.shape[0]
     start = kv.lengths
     drafts = jnp.pad(drafts, ((0, 0), (0, max(0, width - 1 - drafts.shape[1]))))[:, :width - 1]
     tokens = jnp.concatenate([last[:, None], drafts], axis=1).astype(jnp.int32)
-    positions = start[:, None] + jnp.arange(width)
-    h, kv, tapped = hidden_states(params, cfg, tokens, positions, kv, taps)
+    steps_at = jnp.broadcast_to(jnp.arange(width), (rows, width))
+    if parents is None:
+        positions = start[:, None] + steps_at
+        h, kv, tapped = hidden_states(params, cfg, tokens, positions, kv, taps)
+    else:
+        parents = parents[:, :width]
+        positions = start[:, None] + trees.depths(parents)
+        h, kv, tapped = hidden_states(params, cfg, tokens, positions, kv, taps, sees=start[:, None] + steps_at,
+                                      ancestors=trees.ancestor_bits(parents))
     logits = unembed(params, cfg, h)  # [R, W, V]
     flat = smp.target_tokens_rows(logits.reshape(rows * width, -1), (positions + 1).reshape(-1),
                                   jnp.repeat(seeds, width), rs.repeat(width), sampled)
     out = flat.reshape(rows, width)
-    ok = (tokens[:, 1:] == out[:, :-1]) & (jnp.arange(width - 1) < n[:, None])
-    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    if parents is None:
+        ok = (tokens[:, 1:] == out[:, :-1]) & (jnp.arange(width - 1) < n[:, None])
+        accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+        path = steps_at
+    else:
+        path, accepted = trees.walk(tokens, parents, jnp.minimum(n, width - 1), out)
+        out = jnp.take_along_axis(out, path, axis=1)
     if logq is not None and width > 1:
         lq = jnp.pad(logq, ((0, 0), (0, max(0, width - 1 - logq.shape[1])), (0, 0)))[:, :width - 1]
         g_out, g_accepted = smp.accept_rows(logits, drafts, lq, n, positions + 1, seeds, rs)
         out = jnp.where(general[:, None], g_out, out)
         accepted = jnp.where(general, g_accepted, accepted)
+        path = jnp.where(general[:, None], steps_at, path)
     count = jnp.where(live, accepted + 1, 0)
     bad = jnp.any(jnp.isnan(logits).any(axis=(1, 2)) & live)
-    return jnp.pad(out, ((0, 0), (0, SPAN - width))), count, bad, kv, tapped
+    if parents is not None:  # the accepted paths become plain prefixes
+        moved = jnp.any((path != steps_at) & (steps_at < count[:, None]))
+        k_pool, v_pool = jax.lax.cond(
+            moved, lambda: trees.compact(kv.k, kv.v, kv.page_table, kv.page_size, start, path,
+                                         partial(write_layer, page_size=kv.page_size)),
+            lambda: (kv.k, kv.v))
+        kv = kv.replace(k=k_pool, v=v_pool)
+        if tapped is not None:
+            tapped = jnp.take_along_axis(tapped, path[None, :, :, None], axis=2)
+    path = jnp.concatenate([path, jnp.broadcast_to(jnp.arange(width, SPAN), (rows, SPAN - width))], axis=1)
+    return jnp.pad(out, ((0, 0), (0, SPAN - width))), count, bad, kv, tapped, path
 
 
 def _rates(state: dict, column: jax.Array) -> jax.Array:
@@ -113,14 +141,15 @@ def _score(state: dict, column: jax.Array, drafts: jax.Array, n: jax.Array, out:
 
 
 @partial(jax.jit, static_argnames=("cfg", "dcfg", "fcfg", "k", "max_ngram", "min_ngram", "n_rounds", "sampled",
-                                   "sample_drafts", "adaptive"), donate_argnames=("kv", "dkv", "fkv"))
+                                   "sample_drafts", "adaptive", "tree"), donate_argnames=("kv", "dkv", "fkv"))
 def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, size: jax.Array,
            budget: jax.Array, stops: jax.Array, row_k: jax.Array, use: jax.Array, state: dict, costs: jax.Array,
            seeds: jax.Array, rs: RowSampling, dparams: Params | None = None, dkv: KVCache | None = None,
            fparams: Params | None = None, fkv: DFlashCache | None = None, fhead: Head | None = None,
-           given: tuple[jax.Array, jax.Array] | None = None, limit: jax.Array | None = None, *,
-           dcfg: Qwen3Config | None = None, fcfg: DFlashConfig | None = None, k: int, max_ngram: int,
-           min_ngram: int, n_rounds: int, sampled: bool, sample_drafts: bool = False, adaptive: bool = True):
+           given: tuple[jax.Array, jax.Array] | None = None, limit: jax.Array | None = None,
+           row_tree: jax.Array | None = None, *, dcfg: Qwen3Config | None = None, fcfg: DFlashConfig | None = None,
+           k: int, max_ngram: int, min_ngram: int, n_rounds: int, sampled: bool, sample_drafts: bool = False,
+           adaptive: bool = True, tree: int = 0):
     """Up to `n_rounds` speculative rounds over R rows (module docstring), or up to the
     traced `limit` (a scalar, at most n_rounds): fewer rounds without a new compile.
 
@@ -140,10 +169,14 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     state (`drafters.DFlashCache`) over the same page table, fhead the head of its
     draft vocabulary (`drafters.draft_head`) or None for the whole vocabulary. sample_drafts: rows with
     temperature > 0 sample the models' drafts. adaptive False: every row drafts in full,
-    from a model where it may use one (a fixed-k baseline for the chooser).
+    from a model where it may use one (a fixed-k baseline for the chooser). tree (static,
+    most nodes) > 0 with row_tree [R] (a row's node budget, 0: chains): a row whose round
+    takes prompt lookup drafts the lookup trie of its best matches (`lookup.tree`) instead
+    of the chain, as many nodes as the chain would have drafts, verified as a tree.
     Returns (log, nan flag, cache, draft cache, DFlash pools, state); log holds "tokens"
     [n_rounds, R, SPAN], "counts" [n_rounds, R], "drafts" judged [n_rounds, R], "source"
-    [n_rounds, R] of those drafts (index into SOURCES; -1: none) and "width" [n_rounds],
+    [n_rounds, R] of those drafts (index into SOURCES; -1: none), "branched" [n_rounds, R]
+    (the accepted path left a tree's first continuation) and "width" [n_rounds],
     each round's step kind (width index into steps.BUCKETS plus len(BUCKETS) times the
     subset of model proposers run; -1: no round).
     """
@@ -160,8 +193,10 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     fk = 0 if fcfg is None else min(k, fcfg.block_size - 1)  # DFlash drafts per pass
     taps = () if fcfg is None else fcfg.target_layer_ids
 
+    t_nodes = min(tree, k)  # a tree has at most as many nodes as a chain has drafts
+
     def branch(width):
-        def go(carry, size, last, candidates, logqs, first, first_logq, src, n, live, subset):
+        def go(carry, size, last, candidates, logqs, first, first_logq, src, n, live, subset, parents):
             kv, dkv = carry
             if dcfg is not None:
                 model_drafts, logq = first[:, None], None if first_logq is None else first_logq[:, None]
@@ -175,11 +210,11 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 model_drafts = candidates[0][:, :1]
             drafts = _by_source(src, candidates)
             logq = _by_source(src - 1, logqs) if sample_drafts and models else None
-            out, count, bad, kv, tapped = _verify(params, cfg, kv, last, drafts, n, live, (src > 0) & drawn, logq,
-                                                  seeds, rs, width, sampled, taps)
+            out, count, bad, kv, tapped, path = _verify(params, cfg, kv, last, drafts, n, live, (src > 0) & drawn,
+                                                        logq, seeds, rs, width, sampled, taps, parents)
             if tapped is not None:  # padded to SPAN, so every width returns one shape
                 tapped = jnp.pad(tapped, ((0, 0), (0, 0), (0, SPAN - width), (0, 0)))
-            return (out, count, bad, model_drafts, tapped), (kv, dkv)
+            return (out, count, bad, model_drafts, tapped, path), (kv, dkv)
         return go
 
     def feed_at(width):
@@ -205,6 +240,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         else:
             lookup_drafts, found, m = (jnp.zeros((rows, 1), jnp.int32), jnp.zeros(rows, jnp.int32),
                                        jnp.zeros(rows, jnp.int32))
+        hosted = jnp.zeros(rows, bool)
         if given is not None and k:
             hosted = given[1] >= 0
             lookup_drafts = jnp.where(hosted[:, None], given[0], lookup_drafts)
@@ -262,7 +298,21 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         offer = _by_source(src, [found] + [offered[name] for name in models])
         n = jnp.where(pick > 0, jnp.minimum(room[pick], offer), 0)
         last = jnp.take_along_axis(history, jnp.maximum(size - 1, 0)[:, None], axis=1)[:, 0]
-        candidates, logqs = [_fit(lookup_drafts, k)], []
+        parents, main = None, jnp.ones((rows, SPAN), bool)
+        if t_nodes:  # lookup rows with a tree budget: the trie's best nodes, as many as the chain's drafts
+            ranked = jax.vmap(lambda h, s: lookup_tree(h, s, k, max_ngram, min_ngram, t_nodes))(history, size)
+            treed = (row_tree > 0) & (src == 0) & (n > 0) & ~hosted
+            want = jnp.where(treed, jnp.minimum(jnp.minimum(room[pick], row_tree), limit), 0)
+            t_drafts, t_parents, t_main, t_n = trees.arrange(ranked, want, capacity(k))
+            lookup_drafts_used = jnp.where(treed[:, None], _fit(t_drafts, k), _fit(lookup_drafts, k))
+            n = jnp.where(treed, t_n, n)
+            chain_ = trees.chain_parents(rows, SPAN)
+            parents = jnp.where(treed[:, None], jnp.concatenate([t_parents, chain_[:, t_nodes + 1:]], axis=1), chain_)
+            main = jnp.where(treed[:, None], jnp.pad(t_main, ((0, 0), (0, SPAN - t_nodes - 1)),
+                                                     constant_values=True), main)
+            candidates, logqs = [lookup_drafts_used], []
+        else:
+            candidates, logqs = [_fit(lookup_drafts, k)], []
         block_drafts_ = None
         if fcfg is not None:  # DFlash's block pass, when the round uses it
             ran = (subset & bit["dflash"]) > 0
@@ -270,9 +320,11 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                                                             kv.lengths)
             candidates.append(_fit(block_drafts_, k))
             logqs.append(None if block_logq is None else _fit(block_logq, k))
-        (out, count, nan, model_drafts, tapped), (kv, dkv) = steps.switch(
+        (out, count, nan, model_drafts, tapped, path), (kv, dkv) = steps.switch(
             pick, [branch(w) for w in widths], (kv, dkv), size, last, candidates, logqs, first, first_logq,
-            src, n, live, subset)
+            src, n, live, subset, parents)
+        on_path = jnp.arange(SPAN)[None, :] < count[:, None]
+        branched = jnp.any(on_path & ~jnp.take_along_axis(main, path, axis=1), axis=1)
         if fcfg is not None:  # (taps past the step's width are stale: positions nothing has committed)
             fkv = stash(fkv, tapped, kv.lengths)
         # score every lookup (a plain step judges its first draft) and every model draft made
@@ -302,7 +354,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         log = {"tokens": log["tokens"].at[i].set(out), "counts": log["counts"].at[i].set(count),
                "drafts": log["drafts"].at[i].set(jnp.where(count > 0, n, 0)),
                "width": log["width"].at[i].set(pick + subset * len(steps.BUCKETS)),
-               "source": log["source"].at[i].set(jnp.where(n > 0, codes[src], -1))}
+               "source": log["source"].at[i].set(jnp.where(n > 0, codes[src], -1)),
+               "branched": log["branched"].at[i].set(branched)}
         return kv, dkv, fkv, history, size + count, made + count, i + 1, state, bad | nan, stopped, log
 
     def more(c):
@@ -312,7 +365,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
 
     log = {"tokens": jnp.zeros((n_rounds, rows, SPAN), jnp.int32),
            "counts": jnp.zeros((n_rounds, rows), jnp.int32), "drafts": jnp.zeros((n_rounds, rows), jnp.int32),
-           "width": jnp.full((n_rounds,), -1, jnp.int32), "source": jnp.full((n_rounds, rows), -1, jnp.int32)}
+           "width": jnp.full((n_rounds,), -1, jnp.int32), "source": jnp.full((n_rounds, rows), -1, jnp.int32),
+           "branched": jnp.zeros((n_rounds, rows), bool)}
     init = (kv, dkv, fkv, history, size, jnp.zeros(rows, jnp.int32), jnp.int32(0), state, jnp.bool_(False),
             jnp.zeros(rows, bool), log)
     kv, dkv, fkv, _, _, _, _, state, bad, _, log = jax.lax.while_loop(more, body, init)

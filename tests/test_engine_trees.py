@@ -1,0 +1,76 @@
+"""Lookup trees in the engine: every row's output equals its request run alone without
+speculation (greedy and sampled, batch 1 and more, budgets 2 to 15, stops and
+max_new_tokens inside an accepted path), and trees do branch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specjax import Sampling
+from specjax.engine import Engine, Speculation
+from specjax.proposers import ProposerError
+from specjax.results import GenerationError
+
+
+def _branchy_prompt(rng, vocab: int) -> np.ndarray:
+    """Phrases that recur with different continuations (a lookup of the last tokens finds
+    several earlier matches that part ways), then one phrase's head."""
+    heads = [rng.integers(0, vocab, 3) for _ in range(2)]
+    tails = [rng.integers(0, vocab, 4) for _ in range(3)]
+    parts = [np.concatenate([heads[int(rng.integers(0, 2))], tails[int(rng.integers(0, 3))]]) for _ in range(8)]
+    return np.concatenate(parts + [heads[0]]).astype(np.int32)
+
+
+def _alone(model, prompts, news, settings, seeds, stops):
+    solo = Engine(model, None, max_batch=1, max_len=256)
+    return [solo.submit(p, max_new_tokens=n, sampling=s, seed=sd, stop_ids=st).result().tokens
+            for p, n, s, sd, st in zip(prompts, news, settings, seeds, stops)]
+
+
+@pytest.mark.parametrize("budget", [2, 5, 15])
+def test_tree_rows_equal_their_plain_run_alone(cyclic_target, rng, budget):
+    model = cyclic_target
+    v = model.config.vocab_size
+    prompts = [_branchy_prompt(rng, v) for _ in range(4)]
+    news = [40, 23, 31, 12]
+    settings = [Sampling(), Sampling(0.8), Sampling(), Sampling(1.0, top_k=20)]
+    seeds = [int(s) for s in rng.integers(0, 2 ** 31, 4)]
+    full = _alone(model, prompts, news, settings, seeds, [()] * 4)
+    stops = [(), (full[1][9],), (), ()]  # a stop id inside what a path may accept
+    want = _alone(model, prompts, news, settings, seeds, stops)
+    engine = Engine(model, Speculation(k=15, tree=budget), max_batch=4, max_len=256)
+    reqs = [engine.submit(p, max_new_tokens=n, sampling=s, seed=sd, stop_ids=st)
+            for p, n, s, sd, st in zip(prompts, news, settings, seeds, stops)]
+    engine.run()
+    assert [r.tokens for r in reqs] == want
+    one = Engine(model, Speculation(k=15, tree=budget), max_batch=1, max_len=256)
+    assert one.submit(prompts[0], max_new_tokens=news[0], sampling=settings[0], seed=seeds[0],
+                      stop_ids=()).result().tokens == want[0]
+    drafted = sum(r.stats.drafted for r in reqs)
+    assert drafted > 0
+
+
+def test_trees_branch_and_chains_stay_chains(cyclic_target):
+    """Over branchy prompts some accepted path leaves the first continuation; requests
+    with tree=0 on the same engine never branch; both equal their runs alone. (Fixed
+    prompts: whether a tree branches depends on what the random target generates.)"""
+    model = cyclic_target
+    v = model.config.vocab_size
+    rng = np.random.default_rng(1)
+    prompts = [_branchy_prompt(rng, v) for _ in range(6)]
+    want = _alone(model, prompts, [48] * 6, [Sampling()] * 6, [0] * 6, [()] * 6)
+    engine = Engine(model, Speculation(k=15, tree=15), max_batch=6, max_len=256)
+    reqs = [engine.submit(p, max_new_tokens=48, stop_ids=(), tree=15 if i < 3 else 0) for i, p in enumerate(prompts)]
+    engine.run()
+    assert [r.tokens for r in reqs] == want
+    assert sum(r.stats.branched for r in reqs[:3]) > 0
+    assert sum(r.stats.branched for r in reqs[3:]) == 0
+
+
+def test_bad_tree_settings_are_refused(cyclic_target):
+    with pytest.raises(ProposerError, match="tree must be an integer in"):
+        Speculation(k=7, tree=16)
+    engine = Engine(cyclic_target, Speculation(k=7, tree=4), max_batch=1, max_len=64)
+    with pytest.raises(GenerationError, match=r"tree must be an integer in \[0, 4\]"):
+        engine.submit([1, 2, 3], max_new_tokens=4, tree=5)
