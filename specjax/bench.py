@@ -75,6 +75,8 @@ def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
     rows: list[tuple[str, int, Any]] = [("plain", 0, None)]
     rows += [("ngram", k, NgramProposer(k=k)) for k in cfg.ngram_ks]
     rows.append(("lookup", 0, Adaptive(NgramProposer(k=max(cfg.ngram_ks)))))  # what `specjax generate` runs on CPU
+    # the same with lookup trees as wide as the chain's drafts (`specjax.lookup.tree`)
+    rows.append(("lookup-tree", 0, Adaptive(NgramProposer(k=max(cfg.ngram_ks), tree=max(cfg.ngram_ks)))))
     pool = [NgramProposer(k=max(cfg.ngram_ks))]
     if cfg.draft is not None:
         draft = load(cfg.draft, target.dtype)
@@ -87,6 +89,8 @@ def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
         # k up to the drafter's block (its default, the largest k, is always measured)
         ks = sorted({k for k in cfg.dflash_ks if k < drafter.config.block_size} | {DFlashProposer(drafter).k})
         rows += [("dflash", k, DFlashProposer(drafter, k=k)) for k in ks]
+        # the block's best tree as wide as its chain (DDTree, `specjax.drafters.block_tree`)
+        rows.append(("dflash-tree", ks[-1], DFlashProposer(drafter, k=ks[-1], tree=ks[-1])))
         pool.append(DFlashProposer(drafter, k=ks[-1]))
     rows.append(("adaptive", 0, Adaptive(*pool)))
     return rows
@@ -409,8 +413,9 @@ def _jsonable(x: Any) -> Any:
 
 def markdown(results: dict[str, Any]) -> str:
     """The results table: speedup at the best k of each method, per workload and sampling."""
-    adaptive = ("lookup", "adaptive")  # k chosen per step
-    methods = [m for m in ("ngram", "draft", "dflash") + adaptive if any(m in c["best_k"] for c in results["cells"])]
+    adaptive = ("lookup", "lookup-tree", "adaptive")  # k chosen per step
+    methods = [m for m in ("ngram", "draft", "dflash", "dflash-tree") + adaptive
+               if any(m in c["best_k"] for c in results["cells"])]
     head = ["workload", "sampling", "plain tok/s"] + [m if m in adaptive else f"{m} (best k)" for m in methods]
     if "dflash" in methods:
         head.append("dflash tokens/step")

@@ -153,26 +153,88 @@ def block_logits(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, params: Para
     return (unembed(params, cfg, h) if head is None else project(head[0], h)), fkv
 
 
+TREE_BRANCH = 2  # children a DFlash tree considers per node: the block row's top-2 tokens
+
+
+def tree_capacity(nodes: int) -> int:
+    """Candidate entries of a DFlash tree of `nodes` nodes (`block_tree`)."""
+    return 1 + TREE_BRANCH * (nodes + 1)
+
+
+def block_tree(logits: jax.Array, head: Head | None, nodes: int) -> dict:
+    """A DFlash block's best `nodes` continuations as a ranked tree (DDTree: best-first
+    over the per-position top tokens of one block pass, scored by summed log-probability;
+    Ringel and Romano 2026, arXiv:2604.12989). The block's rows do not condition on each other,
+    so the children of a node at depth d are block row d's top TREE_BRANCH tokens whatever
+    the node; a node's score is its path's summed log-softmax. Selected one at a time, the
+    best open candidate each time, so each node ranks after its parent and any first n of
+    the ranking is a tree (`trees.arrange` lays it out); "main" marks the argmax chain.
+
+    logits [R, k, N] (N: the vocabulary, or a draft vocabulary whose ids `head` holds).
+    Returns {"token", "parent" (candidate index), "trie", "depth", "main", "valid"} each
+    [R, nodes], over `tree_capacity(nodes)` candidates."""
+    k = logits.shape[1]
+    lp, idx = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), TREE_BRANCH)
+    tok = (idx if head is None else head[1][idx]).astype(jnp.int32)  # [R, k, TREE_BRANCH]
+    cap = tree_capacity(nodes)
+    at = jnp.arange(cap)
+
+    def one(lp, tok):
+        score = jnp.full(cap, -jnp.inf).at[1:1 + TREE_BRANCH].set(lp[0])
+        depth = jnp.zeros(cap, jnp.int32).at[1:1 + TREE_BRANCH].set(1)
+        parent = jnp.zeros(cap, jnp.int32)
+        token = jnp.zeros(cap, jnp.int32).at[1:1 + TREE_BRANCH].set(tok[0])
+        main = (at == 1)
+        taken = at == 0
+        used = 1 + TREE_BRANCH
+        picks, oks = [], []
+        for _ in range(nodes):
+            open_ = jnp.where(~taken & (at < used) & (depth >= 1), score, -jnp.inf)
+            j = jnp.argmax(open_)
+            ok = open_[j] > -jnp.inf
+            taken = taken | ((at == j) & ok)
+            grow = ok & (depth[j] < k)
+            d = jnp.minimum(depth[j], k - 1)
+            for b in range(TREE_BRANCH):
+                new = grow & (at == used + b)
+                score = jnp.where(new, score[j] + lp[d, b], score)
+                depth = jnp.where(new, depth[j] + 1, depth)
+                parent = jnp.where(new, j, parent)
+                token = jnp.where(new, tok[d, b], token)
+                main = jnp.where(new, main[j] & (b == 0), main)
+            used = used + jnp.where(grow, TREE_BRANCH, 0)
+            picks.append(j)
+            oks.append(ok)
+        sel = jnp.stack(picks).astype(jnp.int32)
+        return {"token": token[sel], "parent": parent[sel], "trie": sel, "depth": depth[sel], "main": main[sel],
+                "valid": jnp.stack(oks)}
+
+    return jax.vmap(one)(lp, tok)
+
+
 def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: Params, cfg: Qwen3Config,
                  last: jax.Array, start: jax.Array, k: int, seeds: jax.Array, rs: RowSampling, sample: jax.Array,
-                 sample_drafts: bool, head: Head | None = None) -> tuple[jax.Array, jax.Array | None, DFlashCache]:
+                 sample_drafts: bool, head: Head | None = None, tree_nodes: int = 0
+                 ) -> tuple[jax.Array, jax.Array | None, DFlashCache, dict | None]:
     """DFlash drafts [R, k] after the context catches up to `start` (argmax per block row,
     or where `sample` is set one independent draw per row from its transformed q, keyed by
     (seed, DRAFT stream, position)), their log-probs [R, k, V] when drafts may be sampled,
-    and the state. With a draft vocabulary's `head`, q is zero outside it."""
+    the state, and with tree_nodes > 0 the block's ranked tree (`block_tree`; else None).
+    With a draft vocabulary's `head`, q is zero outside it."""
     fc = catch_up(fparams, fcfg, fc, start)
     logits, fkv = block_logits(fparams, fcfg, fc.kv, params, cfg, last, start, k, head)
     fc = fc.replace(kv=fkv)
     rows = last.shape[0]
+    ranked = block_tree(logits, head, tree_nodes) if tree_nodes else None
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if head is not None:
         greedy = head[1][greedy]
     if not sample_drafts:
-        return greedy, None, fc
+        return greedy, None, fc, ranked
     if head is not None:  # q over the whole vocabulary, for the acceptance rule
         logits = jnp.full((rows, k, cfg.vocab_size), -jnp.inf, logits.dtype).at[:, :, head[1]].set(logits)
     positions = (start[:, None] + 1 + jnp.arange(k)).reshape(-1)
     keys = jax.vmap(lambda s, p: smp.position_key(s, smp.DRAFT, p))(jnp.repeat(seeds, k), positions)
     logq = smp.transform_rows(logits.reshape(rows * k, -1), rs.repeat(k))
     drawn = jax.vmap(smp.sample)(logq, keys).reshape(rows, k)
-    return jnp.where(sample[:, None], drawn, greedy), logq.reshape(rows, k, -1), fc
+    return jnp.where(sample[:, None], drawn, greedy), logq.reshape(rows, k, -1), fc, ranked

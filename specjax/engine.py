@@ -49,7 +49,8 @@ class Speculation:
     request asks for at most k, or 0 for plain decoding); n-gram lengths max .. min.
     adaptive=False drafts every match in full instead of choosing (fixed k). tree > 0:
     prompt lookup drafts a tree of up to that many nodes (`lookup.tree`: where earlier
-    matches continue differently it branches) in place of a chain; 0: chains."""
+    matches continue differently it branches) in place of a chain, and so does a DFlash
+    drafter (`drafters.block_tree`) for rows whose drafts are not sampled; 0: chains."""
 
     k: int = 15
     max_ngram: int = 3
@@ -580,8 +581,9 @@ def engine_options(speculative: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     None: plain decoding; a `Speculation` as given; NgramProposer / DraftProposer /
     DFlashProposer: drafts of their fixed k each step (what they mean on their own); an
     Adaptive (at most one of each): the engine chooses among them per row and round; a
-    `HostDrafter`: that object drafts for each request, up to 15 drafts a round. An
-    NgramProposer's tree is the engine's `Speculation.tree`.
+    `HostDrafter`: that object drafts for each request, up to 15 drafts a round. The
+    engine's `Speculation.tree` is the largest `tree` of the NgramProposer and the
+    DFlashProposer (one node budget for the lookup and DFlash trees of a row).
     """
     from .adaptive import Adaptive
     from .proposers import DFlashProposer, DraftProposer, NgramProposer
@@ -603,7 +605,9 @@ def engine_options(speculative: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     models = drafts + blocks
     ngram = lookups[0] if lookups else NgramProposer()
     options: dict[str, Any] = {"speculative": Speculation(max(p.k for p in parts), ngram.max_ngram, ngram.min_ngram,
-                                                          adaptive=adaptive, tree=ngram.tree)}
+                                                          adaptive=adaptive,
+                                                          tree=max(p.tree for p in lookups + blocks) if lookups + blocks
+                                                          else 0)}
     if drafts:
         options["draft"] = drafts[0].model
     if blocks:

@@ -42,6 +42,12 @@ def check_ngram(max_ngram: int, min_ngram: int, largest: int | None = None) -> N
         raise ProposerError(f"max_ngram must be at most {largest} for the on-device lookup, got {max_ngram}")
 
 
+def _check_tree(tree: int) -> None:
+    if not _is_int(tree) or not 0 <= tree <= steps.BUCKETS[-1] - 1:
+        raise ProposerError(f"tree must be an integer in [0, {steps.BUCKETS[-1] - 1}] (nodes of a draft tree; "
+                            f"0: chains), got {tree!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class NgramProposer:
     """Prompt lookup (vLLM's "ngram" method, transformers' prompt_lookup_num_tokens): the
@@ -65,9 +71,7 @@ class NgramProposer:
     def __post_init__(self) -> None:
         check_k(self.k, steps.BUCKETS[-1] - 1)
         check_ngram(self.max_ngram, self.min_ngram)  # the engine's Speculation bounds max_ngram
-        if not _is_int(self.tree) or not 0 <= self.tree <= steps.BUCKETS[-1] - 1:
-            raise ProposerError(f"tree must be an integer in [0, {steps.BUCKETS[-1] - 1}] (nodes of a lookup "
-                                f"tree; 0: chains), got {self.tree!r}")
+        _check_tree(self.tree)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -102,12 +106,15 @@ class DFlashProposer:
     own row's transformed q. Known weakness (z-lab/dflash pull request #169): rows are
     not conditioned on each other's samples, so sampled blocks are less coherent and are
     accepted less often than argmax drafts, which stay exact through sample-and-match.
-    The engine checks that the drafter fits the target.
+    The engine checks that the drafter fits the target. tree > 0: the block's best tree
+    of up to that many nodes (DDTree, `specjax.drafters.block_tree`) instead of its argmax
+    chain, for rows whose drafts are not sampled; 0: chains.
     """
 
     drafter: dflashlib.Drafter
     k: int | None = None
     sample: bool = False
+    tree: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.drafter, dflashlib.Drafter):
@@ -117,6 +124,7 @@ class DFlashProposer:
         if self.k is None:
             object.__setattr__(self, "k", largest)
         check_k(self.k, steps.BUCKETS[-1] - 1)
+        _check_tree(self.tree)
         if self.k > self.drafter.config.block_size - 1:
             where = f" ({self.drafter.path})" if self.drafter.path else ""
             raise ProposerError(f"k={self.k} exceeds block_size - 1 = {self.drafter.config.block_size - 1} "

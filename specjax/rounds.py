@@ -38,7 +38,7 @@ from . import steps, trees
 from .checkpoint import Params
 from .config import Qwen3Config
 from .dflash import DFlashConfig
-from .drafters import DFlashCache, Head, block_drafts, chain, draft_token, feed, stash
+from .drafters import DFlashCache, Head, block_drafts, chain, draft_token, feed, stash, tree_capacity
 from .kv import KVCache, write_layer
 from .lookup import ACCEPT_DECAY, PRIOR_ACCEPT, PSEUDO, capacity, expected_tokens, find, tree as lookup_tree
 from .qwen3 import hidden_states, unembed
@@ -172,7 +172,9 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     from a model where it may use one (a fixed-k baseline for the chooser). tree (static,
     most nodes) > 0 with row_tree [R] (a row's node budget, 0: chains): a row whose round
     takes prompt lookup drafts the lookup trie of its best matches (`lookup.tree`) instead
-    of the chain, as many nodes as the chain would have drafts, verified as a tree.
+    of the chain, and a row taking DFlash drafts (not sampled) the block's best tree
+    (`drafters.block_tree`), as many nodes as the chain would have drafts, verified as a
+    tree.
     Returns (log, nan flag, cache, draft cache, DFlash pools, state); log holds "tokens"
     [n_rounds, R, SPAN], "counts" [n_rounds, R], "drafts" judged [n_rounds, R], "source"
     [n_rounds, R] of those drafts (index into SOURCES; -1: none), "branched" [n_rounds, R]
@@ -194,6 +196,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     taps = () if fcfg is None else fcfg.target_layer_ids
 
     t_nodes = min(tree, k)  # a tree has at most as many nodes as a chain has drafts
+    f_nodes = min(tree, fk)
 
     def branch(width):
         def go(carry, size, last, candidates, logqs, first, first_logq, src, n, live, subset, parents):
@@ -223,9 +226,9 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         return go
 
     def block(fkv, last, start):
-        drafts, logq, fkv = block_drafts(fparams, fcfg, fkv, params, cfg, last, start, fk, seeds, rs, drawn,
-                                         sample_drafts, fhead)
-        return (drafts, logq), fkv
+        drafts, logq, fkv, ranked = block_drafts(fparams, fcfg, fkv, params, cfg, last, start, fk, seeds, rs, drawn,
+                                                 sample_drafts, fhead, f_nodes)
+        return (drafts, logq, ranked), fkv
 
     def no_block(fkv, last, start):
         shapes = jax.eval_shape(block, fkv, last, start)[0]
@@ -298,28 +301,32 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         offer = _by_source(src, [found] + [offered[name] for name in models])
         n = jnp.where(pick > 0, jnp.minimum(room[pick], offer), 0)
         last = jnp.take_along_axis(history, jnp.maximum(size - 1, 0)[:, None], axis=1)[:, 0]
-        parents, main = None, jnp.ones((rows, SPAN), bool)
-        if t_nodes:  # lookup rows with a tree budget: the trie's best nodes, as many as the chain's drafts
-            ranked = jax.vmap(lambda h, s: lookup_tree(h, s, k, max_ngram, min_ngram, t_nodes))(history, size)
-            treed = (row_tree > 0) & (src == 0) & (n > 0) & ~hosted
-            want = jnp.where(treed, jnp.minimum(jnp.minimum(room[pick], row_tree), limit), 0)
-            t_drafts, t_parents, t_main, t_n = trees.arrange(ranked, want, capacity(k))
-            lookup_drafts_used = jnp.where(treed[:, None], _fit(t_drafts, k), _fit(lookup_drafts, k))
-            n = jnp.where(treed, t_n, n)
-            chain_ = trees.chain_parents(rows, SPAN)
-            parents = jnp.where(treed[:, None], jnp.concatenate([t_parents, chain_[:, t_nodes + 1:]], axis=1), chain_)
-            main = jnp.where(treed[:, None], jnp.pad(t_main, ((0, 0), (0, SPAN - t_nodes - 1)),
-                                                     constant_values=True), main)
-            candidates, logqs = [lookup_drafts_used], []
-        else:
-            candidates, logqs = [_fit(lookup_drafts, k)], []
-        block_drafts_ = None
+        candidates, logqs = [_fit(lookup_drafts, k)], []
+        block_drafts_ = block_ranked = None
         if fcfg is not None:  # DFlash's block pass, when the round uses it
             ran = (subset & bit["dflash"]) > 0
-            (block_drafts_, block_logq), fkv = steps.switch(ran.astype(jnp.int32), [no_block, block], fkv, last,
-                                                            kv.lengths)
+            (block_drafts_, block_logq, block_ranked), fkv = steps.switch(ran.astype(jnp.int32), [no_block, block],
+                                                                          fkv, last, kv.lengths)
             candidates.append(_fit(block_drafts_, k))
             logqs.append(None if block_logq is None else _fit(block_logq, k))
+        parents, main = None, jnp.ones((rows, SPAN), bool)
+        if t_nodes:  # rows with a tree budget: their proposer's best tree, as many nodes as a chain's drafts
+            parents = chain_ = trees.chain_parents(rows, SPAN)
+            options = [(0, 0, jax.vmap(lambda h, s: lookup_tree(h, s, k, max_ngram, min_ngram, t_nodes))(history, size),
+                        capacity(k), ~hosted, jnp.minimum(room[pick], limit))]
+            if f_nodes:  # a DFlash block's tree, for rows whose drafts are not sampled
+                options.append((len(models), len(candidates) - 1, block_ranked, tree_capacity(f_nodes), ~drawn,
+                                jnp.minimum(room[pick], offered["dflash"])))
+            for source, at_c, ranked, cap, allowed, most in options:
+                treed = (row_tree > 0) & (src == source) & (n > 0) & allowed
+                nodes = ranked["token"].shape[1]
+                t_drafts, t_parents, t_main, t_n = trees.arrange(ranked, jnp.where(treed, jnp.minimum(most, row_tree),
+                                                                                   0), cap)
+                candidates[at_c] = jnp.where(treed[:, None], _fit(t_drafts, k), candidates[at_c])
+                n = jnp.where(treed, t_n, n)
+                parents = jnp.where(treed[:, None], jnp.concatenate([t_parents, chain_[:, nodes + 1:]], axis=1), parents)
+                main = jnp.where(treed[:, None], jnp.pad(t_main, ((0, 0), (0, SPAN - nodes - 1)), constant_values=True),
+                                 main)
         (out, count, nan, model_drafts, tapped, path), (kv, dkv) = steps.switch(
             pick, [branch(w) for w in widths], (kv, dkv), size, last, candidates, logqs, first, first_logq,
             src, n, live, subset, parents)

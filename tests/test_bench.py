@@ -51,19 +51,20 @@ def test_every_field_present(results):
     _, res = results
     for cell in res["cells"]:
         rows = cell["rows"]
-        assert {"plain:0", "lookup:0", "adaptive:0", "hf-plain:0", "hf-lookup:0", "hf-assisted:0"} <= set(rows)
+        assert {"plain:0", "lookup:0", "lookup-tree:0", "adaptive:0", "hf-plain:0", "hf-lookup:0",
+                "hf-assisted:0"} <= set(rows)
         assert {f"ngram:{k}" for k in (2, 7)} | {f"draft:{k}" for k in (2, 4)} <= set(rows)
         for key, row in rows.items():
             assert {"median", "min", "max"} <= set(row["tok_s"]) and row["tok_s"]["median"] > 0
             assert {"median", "min", "max"} <= set(row["speedup"]) and "rss_mb" in row
-            if row["method"] in ("ngram", "draft", "lookup", "adaptive"):
+            if row["method"] in ("ngram", "draft", "lookup", "lookup-tree", "adaptive"):
                 assert {"tokens_per_step", "accept_hist", "acceptance_by_position", "verify_tokens_per_token",
                         "time_split"} <= set(row)
                 assert set(row["time_split"]) == {"propose_s", "verify_s", "host_s"}
             if not key.startswith("hf-") or cell["sampling"] == "greedy":
                 # ours are exact; transformers' greedy is the same model, so the same tokens too
                 assert row["same_tokens_as_plain"], key
-        assert set(cell["best_k"]) >= {"ngram", "draft", "lookup", "adaptive", "hf-plain"}
+        assert set(cell["best_k"]) >= {"ngram", "draft", "lookup", "lookup-tree", "adaptive", "hf-plain"}
     assert "s_profile" not in res and "gpu_profile" not in res  # off here; the 4B shape only off CPU
     p = res["profile"]
     assert set(p["ratio_to_T1"]) == {1, 2, 4} and p["ratio_to_T1"][1] == 1.0
@@ -105,7 +106,8 @@ def test_method_rows_fit_the_proposers(tmp_path):
     dflash.save_dflash(dflash.init(target.config, jax.random.key(0), num_layers=1, block_size=4), tmp_path / "d")
     cfg = bench.BenchConfig(model=target_dir, dflash=tmp_path / "d", dflash_ks=(2, 7, 15), ngram_ks=(3,))
     names = [(name, k) for name, k, _ in bench._methods(cfg, target)]
-    assert names == [("plain", 0), ("ngram", 3), ("lookup", 0), ("dflash", 2), ("dflash", 3), ("adaptive", 0)]
+    assert names == [("plain", 0), ("ngram", 3), ("lookup", 0), ("lookup-tree", 0), ("dflash", 2), ("dflash", 3),
+                     ("dflash-tree", 3), ("adaptive", 0)]
 
 
 def test_novel_prompts_give_prompt_lookup_nothing_to_copy():

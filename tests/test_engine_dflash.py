@@ -129,7 +129,7 @@ def test_draft_vocabulary_drafts_are_the_full_heads_argmax_within_it(tiny, rng):
     rs = smp.RowSampling.of([Sampling(), Sampling(0.9, top_k=10)])
     fc = DFlashCache(fkv, jnp.zeros((1, 1, 9, page, cfg.hidden_size)), start)  # context written up to start
     for sample in (False, True):
-        drafts, logq, _ = block_drafts(drafter.params, d, fc, model.params, cfg, last, start, 7,
+        drafts, logq, _, _ = block_drafts(drafter.params, d, fc, model.params, cfg, last, start, 7,
                                        jnp.array([1, 2], jnp.uint32), rs, jnp.array([False, sample]), sample, head)
         drafts = np.asarray(drafts)
         assert np.isin(drafts, vocab).all()
@@ -158,7 +158,7 @@ def test_draft_vocabulary_saves_loads_and_is_checked(tiny, tmp_path, rng):
             load_dflash(tmp_path / "d", model)
 
 
-@pytest.mark.parametrize("kind", ["dflash", "adaptive", "draft vocabulary"])
+@pytest.mark.parametrize("kind", ["dflash", "adaptive", "draft vocabulary", "tree"])
 def test_rows_with_dflash_drafts_equal_their_plain_run_alone(deep, rng, kind):
     """Greedy and sampled rows in one batch with DFlash alone (fixed k, with the whole
     vocabulary or a draft vocabulary), or DFlash chosen per round against prompt lookup
@@ -179,9 +179,10 @@ def test_rows_with_dflash_drafts_equal_their_plain_run_alone(deep, rng, kind):
         got = [engine.submit(p, max_new_tokens=n, sampling=s, seed=sd, stop_ids=(), lookup=i % 2 == 1)
                for i, (p, n, s, sd) in enumerate(zip(prompts, news, SETTINGS, seeds))]
         engine.run()
-    else:
+    else:  # "tree": the block's best 6-node tree in place of its chain (DDTree)
+        proposer = DFlashProposer(drafter, k=7, tree=6 if kind == "tree" else 0)
         got = specjax.generate(target, prompts, max_new_tokens=news, sampling=SETTINGS, seed=seeds, stop_ids=(),
-                               speculative=DFlashProposer(drafter, k=7))
+                               speculative=proposer)
     assert [g.tokens for g in got] == alone
     sources = {p for g in got for p, _ in g.stats.choices}
     assert "dflash" in sources
@@ -189,7 +190,7 @@ def test_rows_with_dflash_drafts_equal_their_plain_run_alone(deep, rng, kind):
         assert "lookup" in sources
     else:  # one prompt alone on the engine, too
         one = specjax.generate(target, prompts[1], max_new_tokens=news[1], sampling=SETTINGS[1], seed=seeds[1],
-                               stop_ids=(), speculative=DFlashProposer(drafter, k=7))
+                               stop_ids=(), speculative=proposer)
         assert one.tokens == alone[1]
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import cpu_kernels, kv as kvlib, lookup, trees
+from specjax import cpu_kernels, drafters, kv as kvlib, lookup, trees
 from specjax.qwen3 import hidden_states, unembed
 
 
@@ -192,3 +192,32 @@ def test_after_compaction_the_next_step_sees_a_plain_prefix(tiny, rng):
     logits, _ = _tree_step(model, kv, np.array([nxt]), np.array([-1], np.int32))
     want = _forward(model, np.concatenate([prompt, tokens[path], [nxt]]))[-1]
     np.testing.assert_allclose(logits[0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_dflash_tree_is_the_best_scored_set_of_prefixes(rng):
+    """DDTree's selection by brute force: every prefix of choices among each block row's top
+    two tokens, scored by summed log-softmax; the first n ranked nodes are the n best."""
+    k, v, nodes = 3, 9, 10
+    logits = rng.standard_normal((2, k, v)).astype(np.float32) * 2
+    ranked = jax.jit(lambda x: drafters.block_tree(x, None, nodes))(jnp.asarray(logits))
+    lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    for r in range(2):
+        top = np.argsort(-lp[r], axis=1)[:, :drafters.TREE_BRANCH]
+        prefixes = {}
+        frontier = [()]
+        for d in range(k):
+            frontier = [p + (int(t),) for p in frontier for t in top[d]]
+            for p in frontier:
+                prefixes[p] = sum(lp[r, i, t] for i, t in enumerate(p))
+        best = sorted(prefixes, key=lambda p: -prefixes[p])
+        for n in (1, 5, nodes):
+            batch = jax.tree.map(lambda x: x[r:r + 1], ranked)
+            drafts, parents, main, got_n = trees.arrange(batch, jnp.asarray([n]), drafters.tree_capacity(nodes))
+            drafts, parents = np.asarray(drafts[0]), np.asarray(parents[0])
+            tokens = np.concatenate([[-1], drafts])
+            got = {tuple(int(tokens[j]) for j in _path_to(parents, i)[1:]) for i in range(1, int(got_n[0]) + 1)}
+            assert got == set(best[:n])
+            argmax_chain = {tuple(int(t) for t in np.argmax(lp[r], axis=1)[:d]) for d in range(1, k + 1)}
+            on_main = {tuple(int(tokens[j]) for j in _path_to(parents, i)[1:]) for i in range(1, int(got_n[0]) + 1)
+                       if main[0, i]}
+            assert on_main == argmax_chain & got
