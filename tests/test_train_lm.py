@@ -127,6 +127,7 @@ def test_init_from_a_saved_model_starts_from_its_weights(tmp_path):
 def test_stage_commands_name_a_missing_input_and_exit_2(tmp_path):
     import subprocess
     import sys
+    from pathlib import Path
 
     (tmp_path / "shards").mkdir()
     (tmp_path / "shards" / "meta.json").write_text('{"eos_id": 0, "heldout": {"bytes": 4, "tokens": 1}}')
@@ -136,8 +137,8 @@ def test_stage_commands_name_a_missing_input_and_exit_2(tmp_path):
                         ([*shards, "--rename-weight", "-1"], "must be >= 0"),
                         (["train.evaluate", "--model", str(tmp_path / "gone")], "gone: not a directory"),
                         (["train.evaluate", "--edits", "-1"], "--edits must be >= 0")):
-        proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, cwd=tmp_path,
-                              timeout=300)
+        proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parents[1], timeout=300)  # train/ runs from the root
         assert proc.returncode == 2, proc.stderr
         assert f"python -m {argv[0]}: error:" in proc.stderr and named in proc.stderr
         assert "Traceback" not in proc.stderr
