@@ -73,34 +73,23 @@ def tree(history: jax.Array, size: jax.Array, k: int, max_ngram: int, min_ngram:
     best, ends = jax.lax.top_k(score, m)
     lengths = jnp.where(best >= 0, jnp.minimum(k, size - 1 - ends), 0)
     seqs = jax.vmap(lambda e: jax.lax.dynamic_slice(history, (e + 1,), (k,)))(ends)
-    cap = capacity(k)
-    idx = jnp.arange(cap)
-
-    def insert(step, c):
-        tok, par, cnt, seq, dep, used, cur = c
-        s, d = step // k, step % k
-        cur = jnp.where(d == 0, 0, cur)
-        t = seqs[s, d]
-        real = d < lengths[s]
-        match = (idx > 0) & (idx < used) & (par == cur) & (tok == t)
-        found = jnp.any(match)
-        child = jnp.where(found, jnp.argmax(match), used)
-        new = real & ~found
-        tok = jnp.where(new & (idx == used), t, tok)
-        par = jnp.where(new & (idx == used), cur, par)
-        seq = jnp.where(new & (idx == used), s, seq)
-        dep = jnp.where(new & (idx == used), dep[cur] + 1, dep)
-        cnt = cnt + (real & (idx == child))
-        return tok, par, cnt, seq, dep, used + new, jnp.where(real, child, cur)
-
-    zeros = jnp.zeros(cap, jnp.int32)
-    tok, par, cnt, seq, dep, used, _ = jax.lax.fori_loop(
-        0, m * k, insert, (zeros, zeros - 1, zeros, zeros, zeros, jnp.int32(1), jnp.int32(0)))
-    valid = (idx > 0) & (idx < used)
-    key = jnp.where(valid, (cnt * m + (m - 1 - seq)) * (k + 1) + (k - dep), -1)
-    ranked_key, trie = jax.lax.top_k(key, nodes)
-    return {"token": tok[trie], "parent": par[trie], "trie": trie.astype(jnp.int32), "depth": dep[trie],
-            "main": seq[trie] == 0, "valid": ranked_key >= 0}
+    # the trie without a loop: continuation s's first d + 1 tokens are one node with every
+    # continuation s' that shares them; the first such continuation creates it (node id
+    # 1 + s * k + d), and the continuations through it are its count
+    d = jnp.arange(k)
+    real = d[None, :] < lengths[:, None]  # [M, k]
+    same = (seqs[:, None, :] == seqs[None, :, :]) & real[:, None, :] & real[None, :, :]  # [M, M, k]
+    shared = jnp.cumprod(same.astype(jnp.int32), axis=2) > 0  # same first d + 1 tokens
+    first = jnp.argmax(shared, axis=1).astype(jnp.int32)  # [M, k]: the continuation that creates the node
+    s = jnp.arange(m)[:, None]
+    creates = real & (first == s)
+    count = jnp.sum(shared, axis=1)
+    parent = jnp.where(d[None, :] == 0, 0, 1 + jnp.roll(first, 1, axis=1) * k + d[None, :] - 1)
+    key = jnp.where(creates, (count * m + (m - 1 - s)) * (k + 1) + (k - 1 - d[None, :]), -1).reshape(-1)
+    ranked_key, flat = jax.lax.top_k(key, nodes)
+    return {"token": seqs.reshape(-1)[flat], "parent": parent.reshape(-1)[flat].astype(jnp.int32),
+            "trie": (flat + 1).astype(jnp.int32), "depth": flat % k + 1, "main": flat // k == 0,
+            "valid": ranked_key >= 0}
 
 
 def capacity(k: int) -> int:
