@@ -18,6 +18,9 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,62 +157,63 @@ def block_logits(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, params: Para
 
 
 TREE_BRANCH = 2  # children a DFlash tree considers per node: the block row's top-2 tokens
+TREE_DETOURS = 2  # a DFlash tree's paths take a block row's second token at most this often
 
 
-def tree_capacity(nodes: int) -> int:
-    """Candidate entries of a DFlash tree of `nodes` nodes (`block_tree`)."""
-    return 1 + TREE_BRANCH * (nodes + 1)
+@functools.lru_cache(maxsize=None)
+def _tree_candidates(k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The prefixes a DFlash tree of depth <= k chooses from, by depth: (second [C, k] bool,
+    which block rows take their second token; depth [C]; parent [C], the prefix one
+    shorter, -1 for depth 1), every path with at most TREE_DETOURS second tokens."""
+    depth, parent, second = [], [], []
+    index = {}
+    for d in range(1, k + 1):
+        for detours in (c for n in range(TREE_DETOURS + 1) for c in itertools.combinations(range(d), n)):
+            up = tuple(x for x in detours if x < d - 1)
+            index[(d, detours)] = len(depth)
+            depth.append(d)
+            parent.append(index[(d - 1, up)] if d > 1 else -1)
+            second.append([j in detours for j in range(k)])
+    return np.array(second, bool), np.array(depth, np.int32), np.array(parent, np.int32)
+
+
+def tree_capacity(k: int) -> int:
+    """Candidate entries of a DFlash tree over k block rows (`block_tree`), the root first."""
+    return 1 + len(_tree_candidates(k)[1])
 
 
 def block_tree(logits: jax.Array, head: Head | None, nodes: int) -> dict:
-    """A DFlash block's best `nodes` continuations as a ranked tree (DDTree: best-first
-    over the per-position top tokens of one block pass, scored by summed log-probability;
-    Ringel and Romano 2026, arXiv:2604.12989). The block's rows do not condition on each other,
-    so the children of a node at depth d are block row d's top TREE_BRANCH tokens whatever
-    the node; a node's score is its path's summed log-softmax. Selected one at a time, the
-    best open candidate each time, so each node ranks after its parent and any first n of
-    the ranking is a tree (`trees.arrange` lays it out); "main" marks the argmax chain.
+    """A DFlash block's best `nodes` continuations as a ranked tree (DDTree, Ringel and
+    Romano 2026, arXiv:2604.12989: the per-position top tokens of one block pass, scored by
+    summed log-probability). The block's rows do not condition on each other, so the
+    children of a node at depth d are block row d's top TREE_BRANCH tokens whatever the
+    node, and a path's score is the sum of its tokens' log-softmax. Every path that takes a
+    row's second token at most TREE_DETOURS times is scored at once (DDTree's best-first
+    heap, without its loop); a path scores no higher than its prefix and prefixes come
+    first on ties, so any first n of the ranking is a tree (`trees.arrange` lays it out).
+    "main" marks the argmax chain.
 
     logits [R, k, N] (N: the vocabulary, or a draft vocabulary whose ids `head` holds).
     Returns {"token", "parent" (candidate index), "trie", "depth", "main", "valid"} each
-    [R, nodes], over `tree_capacity(nodes)` candidates."""
+    [R, nodes], over `tree_capacity(k)` candidates."""
     k = logits.shape[1]
-    lp, idx = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), TREE_BRANCH)
-    tok = (idx if head is None else head[1][idx]).astype(jnp.int32)  # [R, k, TREE_BRANCH]
-    cap = tree_capacity(nodes)
-    at = jnp.arange(cap)
-
-    def one(lp, tok):
-        score = jnp.full(cap, -jnp.inf).at[1:1 + TREE_BRANCH].set(lp[0])
-        depth = jnp.zeros(cap, jnp.int32).at[1:1 + TREE_BRANCH].set(1)
-        parent = jnp.zeros(cap, jnp.int32)
-        token = jnp.zeros(cap, jnp.int32).at[1:1 + TREE_BRANCH].set(tok[0])
-        main = (at == 1)
-        taken = at == 0
-        used = 1 + TREE_BRANCH
-        picks, oks = [], []
-        for _ in range(nodes):
-            open_ = jnp.where(~taken & (at < used) & (depth >= 1), score, -jnp.inf)
-            j = jnp.argmax(open_)
-            ok = open_[j] > -jnp.inf
-            taken = taken | ((at == j) & ok)
-            grow = ok & (depth[j] < k)
-            d = jnp.minimum(depth[j], k - 1)
-            for b in range(TREE_BRANCH):
-                new = grow & (at == used + b)
-                score = jnp.where(new, score[j] + lp[d, b], score)
-                depth = jnp.where(new, depth[j] + 1, depth)
-                parent = jnp.where(new, j, parent)
-                token = jnp.where(new, tok[d, b], token)
-                main = jnp.where(new, main[j] & (b == 0), main)
-            used = used + jnp.where(grow, TREE_BRANCH, 0)
-            picks.append(j)
-            oks.append(ok)
-        sel = jnp.stack(picks).astype(jnp.int32)
-        return {"token": token[sel], "parent": parent[sel], "trie": sel, "depth": depth[sel], "main": main[sel],
-                "valid": jnp.stack(oks)}
-
-    return jax.vmap(one)(lp, tok)
+    second, depth, parent = _tree_candidates(k)
+    x = logits.astype(jnp.float32)
+    # log-softmax of the top tokens only (of the whole row, XLA fused it into every use: 2 ms)
+    top, idx = jax.lax.top_k(x, TREE_BRANCH)
+    lp = top - jax.nn.logsumexp(x, axis=-1)[..., None]
+    tok = (idx if head is None else head[1][idx]).astype(jnp.int32)  # [R, k, 2]
+    within = np.arange(k)[None, :] < depth[:, None]  # [C, k]: block rows on the path
+    pick = jnp.where(jnp.asarray(second)[None], lp[:, None, :, 1], lp[:, None, :, 0])  # [R, C, k]
+    score = jnp.sum(jnp.where(jnp.asarray(within)[None], pick, 0.0), axis=-1)
+    last = depth - 1  # the block row of a candidate's own token
+    own = jnp.where(jnp.asarray(second[np.arange(len(depth)), last])[None], tok[:, last, 1], tok[:, last, 0])
+    nodes = min(nodes, len(depth))
+    best, at = jax.lax.top_k(score, nodes)  # ties: the lower index, so a prefix before its extensions
+    cand = lambda table: jnp.asarray(table)[at]  # noqa: E731
+    return {"token": jnp.take_along_axis(own, at, axis=1), "parent": cand(parent + 1),
+            "trie": (at + 1).astype(jnp.int32), "depth": cand(depth), "main": cand(~second.any(axis=1)),
+            "valid": best > -jnp.inf}
 
 
 def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: Params, cfg: Qwen3Config,

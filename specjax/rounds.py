@@ -315,7 +315,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             options = [(0, 0, jax.vmap(lambda h, s: lookup_tree(h, s, k, max_ngram, min_ngram, t_nodes))(history, size),
                         capacity(k), ~hosted, jnp.minimum(room[pick], limit))]
             if f_nodes:  # a DFlash block's tree, for rows whose drafts are not sampled
-                options.append((len(models), len(candidates) - 1, block_ranked, tree_capacity(f_nodes), ~drawn,
+                options.append((len(models), len(candidates) - 1, block_ranked, tree_capacity(fk), ~drawn,
                                 jnp.minimum(room[pick], offered["dflash"])))
             for source, at_c, ranked, cap, allowed, most in options:
                 treed = (row_tree > 0) & (src == source) & (n > 0) & allowed

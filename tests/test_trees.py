@@ -196,8 +196,9 @@ def test_after_compaction_the_next_step_sees_a_plain_prefix(tiny, rng):
 
 def test_dflash_tree_is_the_best_scored_set_of_prefixes(rng):
     """DDTree's selection by brute force: every prefix of choices among each block row's top
-    two tokens, scored by summed log-softmax; the first n ranked nodes are the n best."""
-    k, v, nodes = 3, 9, 10
+    two tokens that takes a second token at most TREE_DETOURS times, scored by summed
+    log-softmax; the first n ranked nodes are the n best."""
+    k, v, nodes = 5, 9, 12
     logits = rng.standard_normal((2, k, v)).astype(np.float32) * 2
     ranked = jax.jit(lambda x: drafters.block_tree(x, None, nodes))(jnp.asarray(logits))
     lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
@@ -206,13 +207,14 @@ def test_dflash_tree_is_the_best_scored_set_of_prefixes(rng):
         prefixes = {}
         frontier = [()]
         for d in range(k):
-            frontier = [p + (int(t),) for p in frontier for t in top[d]]
+            frontier = [p + (int(t),) for p in frontier for t in top[d]
+                        if sum(int(a != top[i, 0]) for i, a in enumerate(p + (int(t),))) <= drafters.TREE_DETOURS]
             for p in frontier:
                 prefixes[p] = sum(lp[r, i, t] for i, t in enumerate(p))
         best = sorted(prefixes, key=lambda p: -prefixes[p])
         for n in (1, 5, nodes):
             batch = jax.tree.map(lambda x: x[r:r + 1], ranked)
-            drafts, parents, main, got_n = trees.arrange(batch, jnp.asarray([n]), drafters.tree_capacity(nodes))
+            drafts, parents, main, got_n = trees.arrange(batch, jnp.asarray([n]), drafters.tree_capacity(k))
             drafts, parents = np.asarray(drafts[0]), np.asarray(parents[0])
             tokens = np.concatenate([[-1], drafts])
             got = {tuple(int(tokens[j]) for j in _path_to(parents, i)[1:]) for i in range(1, int(got_n[0]) + 1)}
