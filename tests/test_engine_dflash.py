@@ -12,12 +12,11 @@ import pytest
 
 import specjax
 from specjax import Sampling, dflash, qwen3, sampling as smp
-from specjax.adaptive import Adaptive
 from specjax.dflash import DFlashError, load_dflash, save_dflash
 from specjax.drafters import DFlashCache, block_drafts, block_logits, catch_up, draft_head, stash, write_context
 from specjax.engine import Engine, Speculation
 from specjax.kv import KVCache
-from specjax.proposers import DFlashProposer, NgramProposer, ProposerError
+from specjax.proposers import DFlashProposer, ProposerError
 from specjax.results import GenerationError
 from conftest import hf_tiny, repeating_prompt
 
