@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+import time
 from pathlib import Path
 
 # No persistent compilation cache under test. In full runs (-n 2) workers died inside JAX's
@@ -135,3 +138,27 @@ def rng(request):
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"rng seed {seed}")
     return np.random.default_rng(seed)
+
+
+@contextlib.contextmanager
+def running(app):
+    """The app on a free port of 127.0.0.1, served by uvicorn in a thread; yields its URL."""
+    import uvicorn
+
+    from specjax.server import bind
+
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()
+        assert not thread.is_alive()

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
-import time
 from pathlib import Path
+
+from conftest import running
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,29 +26,15 @@ def python_blocks() -> list[str]:
 def served(name: str):
     """tiny-code on a free port (uvicorn in a thread), as `specjax serve` runs it; yields the
     base URL."""
-    import uvicorn
-
     import specjax
     from specjax.engine import Engine, engine_options
-    from specjax.server import bind, create_app
+    from specjax.server import create_app
 
     model = specjax.load(ROOT / "checkpoints" / "tiny-code")
     options, per_request = engine_options(specjax.Adaptive(specjax.NgramProposer(k=15)))
     engine = Engine(model, **options, max_batch=2, max_len=256)
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, name, per_request), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        sock.close()
+    with running(create_app(engine, name, per_request)) as url:
+        yield f"{url}/v1"
 
 
 def test_readme_has_the_examples():

@@ -4,7 +4,6 @@ the same settings, never against the server itself."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import re
@@ -20,7 +19,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
@@ -32,6 +30,7 @@ from specjax.engine import Engine, engine_options
 from specjax.metrics import ServerMetrics
 from specjax.server import bind, create_app
 from specjax.textstream import TextStream
+from conftest import running
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "checkpoints" / "tiny-code"
@@ -44,26 +43,6 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% 
 PROMPTS = ["def fibonacci(n):", "class Stack:\n", "import os\n\ndef walk(path):", "def add(a, b):\n    return",
            "for i in range(10):\n", "class Queue:\n    def __init__(self):\n", "def parse(text):\n    \"\"\"",
            "try:\n    import json\nexcept ImportError:"]
-
-
-@contextlib.contextmanager
-def running(app):
-    """The app on a free port of 127.0.0.1, served by uvicorn in a thread."""
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        sock.close()
-        assert not thread.is_alive()
 
 
 @pytest.fixture(scope="module")
