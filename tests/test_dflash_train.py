@@ -158,7 +158,7 @@ def test_labels_and_weights_by_hand():
 
 def test_anchors_lie_in_the_reply():
     rng = np.random.default_rng(0)
-    anchors, valid = trainer.sample_anchors(np.array([20, 12, 11]), 10, 4, rng)
+    anchors, valid = trainer.sample_anchors(np.array([20, 12, 11]), np.array([10, 10, 10]), 4, rng)
     a = anchors[0]
     assert valid[0].all() and np.all(np.diff(a) > 0) and a.min() >= 10 and a.max() <= 18
     assert valid[1].tolist() == [True, False, False, False] and anchors[1, 0] == 10
@@ -170,15 +170,16 @@ def test_anchors_lie_in_the_reply():
 def test_reply_lengths():
     seqs = np.array([[5, 0, 7, 8, 0, 0], [5, 6, 7, 8, 9, 1], [0, 0, 0, 0, 0, 0]])
     np.testing.assert_array_equal(reply_lengths(seqs, 2, (0,)), [5, 6, 3])
+    np.testing.assert_array_equal(reply_lengths(seqs, np.array([1, 2, 5]), (0,)), [2, 6, 6])  # per-row starts
 
 
 def test_data_are_the_targets_replies_and_resume(cyclic, data, tmp_path, monkeypatch):
     target, succ = cyclic
-    assert data.tokens.shape == (DC.prompts, DC.prompt_len + DC.response_len) and data.prompt_len == DC.prompt_len
+    assert data.tokens.shape == (DC.prompts, DC.prompt_len + DC.response_len) and (data.starts == DC.prompt_len).all()
     for row in data.tokens:
         np.testing.assert_array_equal(row[DC.prompt_len:], succ[row[DC.prompt_len - 1:-1]])  # the greedy walk
     shard = np.random.default_rng(0).integers(1, 101, 1000).astype(np.uint16)
-    real, calls = dflash_data.replies, []
+    real, calls = dflash_data.sequences, []
 
     def killed_on_second(*args, **kwargs):
         calls.append(1)
@@ -186,32 +187,36 @@ def test_data_are_the_targets_replies_and_resume(cyclic, data, tmp_path, monkeyp
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dflash_data, "replies", killed_on_second)
+    monkeypatch.setattr(dflash_data, "sequences", killed_on_second)
     with pytest.raises(KeyboardInterrupt):
         generate_data(target, DC, tmp_path, shard)
     assert sorted(p.name for p in tmp_path.glob("seqs-*.npy")) == ["seqs-00000.npy"]
     again = generate_data(target, DC, tmp_path)  # prompts.npy is there: no shard needed
-    assert len(calls) == 2 + 2  # the killed call, then one batch per remaining shard
+    assert len(calls) == 2 + 2  # the killed call, then one call per remaining shard
     np.testing.assert_array_equal(again.tokens, data.tokens)
-    with pytest.raises(ValueError, match="another plan or target"):
+    with pytest.raises(ValueError, match="another plan, prompts or target"):
         generate_data(target, dataclasses.replace(DC, response_len=40), tmp_path)
     retrained = dataclasses.replace(target, params={**target.params, "model.embed_tokens.weight":
                                                     1.5 * unpack_tree(target.params["model.embed_tokens.weight"])})
-    with pytest.raises(ValueError, match="another plan or target"):
+    with pytest.raises(ValueError, match="another plan, prompts or target"):
         generate_data(retrained, DC, tmp_path)
 
 
 @pytest.mark.parametrize("sampling", [specjax.Sampling(), specjax.Sampling(temperature=0.8, top_k=20, top_p=0.9)],
                          ids=["greedy", "sampled"])
-def test_batched_replies_are_what_generate_says(calm, rng, sampling):
-    """All rows decoded at once (a short batch padded) == one specjax.generate per row."""
-    _, target = calm
-    prompts = rng.integers(0, 101, (3, 11)).astype(np.int32)
+def test_batched_replies_are_what_generate_says(cyclic, rng, sampling):
+    """Rows of different prompt lengths decoded together on the engine == one
+    specjax.generate per row, each reply after its own prompt and padded with eos."""
+    target, _ = cyclic
+    prompts = rng.integers(1, 101, (3, 11)).astype(np.int32)
+    prompts[1, 7:] = -1  # a shorter prompt
     seeds = rng.integers(0, 2**20, 3)
-    got = dflash_data.replies(target, prompts, 20, sampling, seeds)
+    got = dflash_data.sequences(specjax.Engine(target, max_batch=2, max_len=31), prompts, 20, sampling, seeds)
     for row, seed, out in zip(prompts, seeds, got):
-        ref = specjax.generate(target, row, max_new_tokens=20, sampling=sampling, seed=int(seed))
-        np.testing.assert_array_equal(out, ref.tokens)
+        ids = row[row >= 0]
+        ref = specjax.generate(target, ids, max_new_tokens=20, sampling=sampling, seed=int(seed)).tokens
+        want = np.concatenate([ids, ref, np.full(31 - len(ids) - len(ref), target.eos_ids[0])])
+        np.testing.assert_array_equal(out, want)
 
 
 # ---------------------------------------------------------------------------- training

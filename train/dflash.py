@@ -2,8 +2,10 @@
 
 The DFlash paper's recipe (arXiv:2602.06036), sized by flags:
 
-1. Data (:mod:`train.dflash_data`): the target's replies to training-corpus prompts,
-   generated once into ``--data`` (resumable token shards).
+1. Data (:mod:`train.dflash_data`): the target's replies to the user's prompts
+   (``--prompt-file FILE`` / ``--prompt-dir DIR``, :mod:`train.prompts`: deduplicated,
+   a ``--heldout-share`` of them held out) or to training-corpus prompts (``--shards``),
+   generated once by the batched engine into ``--data`` (resumable token shards).
 2. Each step takes ``batch`` sequences and computes the frozen target's residual stream
    at ``target_layer_ids`` online (``qwen3.hidden_states``; no feature cache). Per
    sequence ``anchors`` random reply positions a each start a block [token a, mask x
@@ -13,10 +15,16 @@ The DFlash paper's recipe (arXiv:2602.06036), sized by flags:
    weight sum; embedding and head are the target's and stay frozen. AdamW with warmup +
    cosine and clipping 1.0 (``train.lm.make_optimizer``).
 3. Every ``eval_every`` steps (and at step 0) real DFlash speculative generation on
-   held-out edit and completion prompts (:mod:`specjax.workloads`) measures tau (mean
+   held-out prompts (the user's, or edit and completion prompts of
+   :mod:`specjax.workloads`) measures tau (mean
    accepted drafts + 1 per verify step) and acceptance by draft position, appended to
    ``<run>/metrics.jsonl``; whenever tau improves the drafter is exported to ``--out``
    in the public format (``specjax.load_dflash`` reads it).
+
+The mask token: the tokenizer's own, else the id right after every token it has (special
+and added ones included) as a new ``<|MASK|>``, which must be one of the embedding's spare
+rows (z-lab's Qwen3 drafters: 151669); ``--mask-token-id`` overrides. The drafter's
+config.json records it (``dflash_config.mask_token_id``).
 
 Resume: orbax checkpoints in ``<run>/orbax`` (``train.lm.Checkpoints``), saved every
 ``save_every_minutes``, on Ctrl-C / ``kill`` and at the end; the batch of step s is a
@@ -47,7 +55,7 @@ from specjax.config import Qwen3Config
 from specjax.dflash import DFlashConfig
 from specjax.results import Stats
 from specjax.workloads import completion_prompts, edit_prompts
-from train import lm
+from train import lm, prompts
 from train.data import load_shard
 from train.dflash_data import DataConfig, Sequences, generate_data
 
@@ -164,14 +172,15 @@ def state_from_drafter(folder: Path, cfg: DFlashConfig, tc: DFlashTrainConfig, t
     return {"params": params, "opt_state": lm.make_optimizer(tc).init(params)}
 
 
-def sample_anchors(lengths: np.ndarray, prompt_len: int, n: int, rng: np.random.Generator
+def sample_anchors(lengths: np.ndarray, starts: np.ndarray, n: int, rng: np.random.Generator
                    ) -> tuple[np.ndarray, np.ndarray]:
-    """n distinct sorted reply positions per sequence with a real token after them:
-    (anchors [Bt, n] int32, valid [Bt, n]); short replies pad with invalid blocks."""
-    anchors = np.full((len(lengths), n), prompt_len, np.int32)
+    """n distinct sorted reply positions per sequence (its reply from starts[i] to
+    lengths[i]) with a real token after them: (anchors [Bt, n] int32, valid [Bt, n]);
+    short replies pad with invalid blocks."""
+    anchors = np.repeat(np.asarray(starts, np.int32)[:, None], n, axis=1)
     valid = np.zeros((len(lengths), n), bool)
-    for i, length in enumerate(lengths):
-        candidates = np.arange(prompt_len, length - 1)
+    for i, (start, length) in enumerate(zip(starts, lengths)):
+        candidates = np.arange(start, length - 1)
         pick = np.sort(rng.choice(candidates, min(n, candidates.size), replace=False))
         anchors[i, :pick.size] = pick
         valid[i, :pick.size] = True
@@ -182,7 +191,7 @@ def batch_at(data: Sequences, tc: DFlashTrainConfig, step: int) -> dict[str, np.
     """The training batch of `step` (a pure function of seed, step and the data)."""
     rng = np.random.default_rng((tc.seed, step))
     rows = rng.choice(len(data.tokens), tc.batch, replace=len(data.tokens) < tc.batch)
-    anchors, valid = sample_anchors(data.lengths[rows], data.prompt_len, tc.anchors, rng)
+    anchors, valid = sample_anchors(data.lengths[rows], data.starts[rows], tc.anchors, rng)
     return {"tokens": data.tokens[rows], "lengths": data.lengths[rows], "anchors": anchors, "valid": valid}
 
 
@@ -295,6 +304,53 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     return {"params": params, "opt_state": opt_state, "step": step}
 
 
+def mask_token_id(tokenizer: Any, embedding_rows: int, given: int | None = None) -> int:
+    """The drafter's mask id: `given` (``--mask-token-id``), else the tokenizer's mask token,
+    else a new ``<|MASK|>`` right after its ``len(tokenizer)`` tokens (special and added
+    ones included), as z-lab's Qwen3 drafters take 151669. It must be a row of the
+    target's embedding (Qwen3's has spare rows past the tokenizer's)."""
+    if given is not None:
+        mask, source = given, f"--mask-token-id {given}"
+    elif tokenizer.mask_token_id is not None:
+        mask = int(tokenizer.mask_token_id)
+        source = f"the tokenizer's mask token {tokenizer.mask_token!r} (id {mask})"
+    else:
+        mask, source = len(tokenizer), (f"a new <|MASK|> id {len(tokenizer)} after the tokenizer's {len(tokenizer)} "
+                                        "tokens (it has no mask token)")
+    if not 0 <= mask < embedding_rows:
+        raise dflash.DFlashError(f"{source} is outside the target's embedding of {embedding_rows} rows "
+                                 f"[0, {embedding_rows}); pass --mask-token-id N with 0 <= N < {embedding_rows}")
+    return mask
+
+
+def _user_data(args: argparse.Namespace, target: specjax.Model, dc: DataConfig, data_dir: Path
+               ) -> tuple[Sequences, list[tuple[str, list[int]]]]:
+    """(training sequences, held-out prompts) of --prompt-file / --prompt-dir."""
+    source = args.prompt_file or args.prompt_dir
+    read = prompts.read_prompt_file if args.prompt_file else prompts.read_prompt_dir
+    given = read(source, target.tokenizer, args.chat)
+    unique = prompts.dedupe(given)
+    train_part, heldout = prompts.split(unique, args.heldout_share, dc.data_seed)
+    print(f"{source}: {len(given)} prompts, {len(given) - len(unique)} duplicates dropped; "
+          f"{len(train_part)} to train on, {len(heldout)} held out")
+    data = generate_data(target, dc, data_dir, prompts=prompts.pad(train_part, dc.prompt_len))
+    return data, [("heldout", list(p.ids)) for p in heldout]
+
+
+SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p")
+
+
+def _sampling_flags(args: argparse.Namespace, target: specjax.Model) -> None:
+    """Fill the sampling flags not given from the target's generation_config.json when it
+    samples, else from DataConfig's defaults (Qwen3's recommended 0.6 / 20 / 0.95)."""
+    folder = target.generation_defaults
+    samples = folder is not None and not folder.greedy
+    base = folder if samples else dataclasses.replace(DataConfig(), sample=True).sampling
+    for name in SAMPLING_FLAGS:
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(base, name))
+
+
 def _layer_ids(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
@@ -306,14 +362,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--out", type=Path, required=True, help="drafter folder, written whenever eval tau improves")
     p.add_argument("--run", type=Path, help="orbax checkpoints and metrics.jsonl (default runs/<out name>)")
     p.add_argument("--data", type=Path, help="generated sequences (default <run>/data)")
-    p.add_argument("--shards", type=Path, default=Path("runs/data"), help="corpus shards (train.npy) for prompts")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--prompt-file", type=Path, help="the user's prompts: JSONL ({\"prompt\": ...} or "
+                        "{\"messages\": [...]} per line) or plain text (one per line)")
+    source.add_argument("--prompt-dir", type=Path, help="the user's prompts: one text file each")
+    source.add_argument("--shards", type=Path, help="corpus shards (train.npy) to draw prompts from "
+                        "(the default, runs/data, without --prompt-file / --prompt-dir)")
+    p.add_argument("--chat", action="store_true",
+                   help="format plain prompts as a user message with the chat template (messages always are)")
+    p.add_argument("--heldout-share", type=float, default=0.05,
+                   help="share of the user's prompts held out for tau (at least one)")
+    p.add_argument("--mask-token-id", type=int,
+                   help="the drafter's mask id (default: the tokenizer's mask token, else len(tokenizer))")
     p.add_argument("--layers", type=int, default=2, help="drafter layers")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--target-layer-ids", type=_layer_ids, help="comma-separated taps (default: z-lab's spread)")
     p.add_argument("--init", type=Path, help="start a fresh run from this drafter folder (same config)")
-    p.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts per workload (edit, complete)")
+    p.add_argument("--eval-prompts", type=int, default=4,
+                   help="corpus mode: held-out prompts per workload (edit, complete)")
     p.add_argument("--eval-prompt-len", type=int, default=300)
     lm.add_config_flags(p, DataConfig)
+    p.set_defaults(**dict.fromkeys(SAMPLING_FLAGS))  # not given: the target's generation_config.json
     lm.add_config_flags(p, DFlashTrainConfig)
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lm._interrupt)  # `kill` saves like Ctrl-C
@@ -321,19 +390,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     tok = target.tokenizer
     if tok is None:
         p.error(f"{args.target}: no tokenizer files (needed for prompts)")
+    _sampling_flags(args, target)
     dc, tc = lm.config_from_args(args, DataConfig), lm.config_from_args(args, DFlashTrainConfig)
-    cfg = dflash.config_for(target.config, args.layers, args.block_size, args.target_layer_ids, tok.mask_token_id)
+    mask = mask_token_id(tok, target.config.vocab_size, args.mask_token_id)
+    cfg = dflash.config_for(target.config, args.layers, args.block_size, args.target_layer_ids, mask)
     run = args.run or Path("runs") / args.out.name
-    data_dir, shard = args.data or run / "data", args.shards / "train.npy"
-    if not (data_dir / "prompts.npy").is_file() and not shard.is_file():
-        p.error(f"{shard}: not found (build it with python -m train.tokenizer --shards, or pass --shards)")
+    data_dir = args.data or run / "data"
     try:
-        data = generate_data(target, dc, data_dir, load_shard(shard) if shard.is_file() else None)
+        if args.prompt_file or args.prompt_dir:
+            data, eval_prompts = _user_data(args, target, dc, data_dir)
+        else:
+            shard = (args.shards or Path("runs/data")) / "train.npy"
+            if not (data_dir / "prompts.npy").is_file() and not shard.is_file():
+                p.error(f"{shard}: not found (build it with python -m train.tokenizer --shards, pass --shards, "
+                        "or give your own prompts with --prompt-file / --prompt-dir)")
+            data = generate_data(target, dc, data_dir, load_shard(shard) if shard.is_file() else None)
+            eval_prompts = heldout_prompts(tok, args.eval_prompts, args.eval_prompt_len)
     except KeyboardInterrupt:
         print("interrupted: finished shards are kept; rerun to continue")
         return
-    train(target, cfg, tc, data, run, args.out, heldout_prompts(tok, args.eval_prompts, args.eval_prompt_len),
-          args.init)
+    train(target, cfg, tc, data, run, args.out, eval_prompts, args.init)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ def build(data: Path, out: Path, tokenizer_dir: Path) -> dict:
     if not eos_ids:
         raise ValueError(f"{data / 'meta.json'}: the target has no eos_token_id")
     eos = eos_ids[0]
-    lengths = reply_lengths(seqs, plan["prompt_len"], (eos,))
+    prompts = data / "prompts.npy"  # -1 after a shorter prompt's end (the user's prompts)
+    starts = (np.load(prompts) >= 0).sum(axis=1)[:len(seqs)] if prompts.is_file() else plan["prompt_len"]
+    lengths = reply_lengths(seqs, starts, (eos,))
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     out.mkdir(parents=True, exist_ok=True)
     meta = {"source": str(data), "tokenizer": str(tokenizer_dir), "eos_id": eos}
