@@ -234,7 +234,7 @@ def test_short_run_lowers_loss_and_raises_tau(cyclic, data, tmp_path):
     assert before["tau"] < 1.5 and after["tau"] > before["tau"] + 1.5, (before, after)
     assert len(after["acceptance_by_position"]) == B - 1 and after["by_kind"]["train"]["tau"] == after["tau"]
 
-    batch = trainer.batch_at(data, TC, 0)
+    batch = {k: v[0] for k, v in trainer.batch_at(data, TC, 0).items()}  # accum 1: one micro-batch
     loss_fn = jax.jit(trainer.loss_fn, static_argnums=(1, 3, 4))
     gamma = trainer.default_gamma(B)
     first = loss_fn(trainer.initial_state(cfg, TC)["params"], cfg, target.params, target.config, gamma, batch)

@@ -13,7 +13,10 @@ The DFlash paper's recipe (arXiv:2602.06036), sized by flags:
    block only (``dflash.block_logits``: one packed pass per sequence). Block row k
    predicts token a+k; cross-entropy weighted exp(-(k-1)/gamma), normalised by the
    weight sum; embedding and head are the target's and stay frozen. AdamW with warmup +
-   cosine and clipping 1.0 (``train.lm.make_optimizer``).
+   cosine and clipping 1.0 (``train.lm.make_optimizer``). With ``--accum K`` a step is
+   K micro-batches of ``batch`` sequences (the gradient of all of them), and each
+   micro-batch is split over ``--devices`` local devices (:func:`data_mesh`). The
+   progress bar shows loss, train tau, tokens/s and the time left.
 3. Every ``eval_every`` steps (and at step 0) real DFlash speculative generation on
    held-out prompts (the user's, or edit and completion prompts of
    :mod:`specjax.workloads`) measures tau (mean
@@ -46,10 +49,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 import specjax
-from specjax import checkpoint, dflash, qwen3
+from specjax import checkpoint, cpu_kernels, dflash, qwen3
 from specjax.checkpoint import Params
 from specjax.config import Qwen3Config
 from specjax.dflash import DFlashConfig
@@ -73,7 +78,8 @@ class DFlashTrainConfig:
     """Optimisation and bookkeeping settings (flags of ``python -m train.dflash``)."""
 
     steps: int = 2000
-    batch: int = 8             # sequences per step
+    batch: int = 8             # sequences per micro-batch (split over the devices)
+    accum: int = 1             # micro-batches per step: a step's gradient is that of batch * accum sequences
     anchors: int = 16          # blocks per sequence
     lr: float = 6e-4
     warmup_ratio: float = 0.04
@@ -115,6 +121,12 @@ def loss_fn(params: Params, cfg: DFlashConfig, target_params: Params, target_cfg
     """(weighted cross-entropy, train tau) of a batch: tokens [Bt, S], lengths [Bt],
     anchors and valid [Bt, N]. Train tau is 1 + the mean leading run of right argmax
     predictions per valid block (what greedy verification would accept)."""
+    return loss_and_tau(loss_sums(params, cfg, target_params, target_cfg, gamma, batch))
+
+
+def loss_sums(params: Params, cfg: DFlashConfig, target_params: Params, target_cfg: Qwen3Config, gamma: float,
+              batch: dict[str, jax.Array]) -> jax.Array:
+    """block_sums() of a batch (as loss_fn): sums add over micro-batches and devices."""
     tokens, anchors, valid = batch["tokens"], batch["anchors"], batch["valid"]
     bt, s = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), tokens.shape)
@@ -125,33 +137,59 @@ def loss_fn(params: Params, cfg: DFlashConfig, target_params: Params, target_cfg
         features, ids, anchors)  # [Bt, N, B-1, V]
     labels, weights = jax.vmap(lambda t, a, v, n: block_targets(t, a, v, n, cfg.block_size, gamma))(
         tokens, anchors, valid, batch["lengths"])
-    return block_loss(logits, labels, weights, valid)
+    return block_sums(logits, labels, weights, valid)
+
+
+def block_sums(logits: jax.Array, labels: jax.Array, weights: jax.Array, valid: jax.Array) -> jax.Array:
+    """[4]: sum of weighted cross-entropies, sum of weights, sum of leading right argmax
+    predictions per valid block, valid blocks; of block logits [..., N, B-1, V], labels
+    and weights [..., N, B-1] and valid blocks [..., N]."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    right = (jnp.argmax(logits, axis=-1) == labels) & (weights > 0)
+    run = jnp.cumprod(right, axis=-1).sum(axis=-1)  # [..., N] leading right predictions
+    return jnp.stack([(weights * ce).sum(), weights.sum(), (run * valid).sum(), valid.sum()]).astype(jnp.float32)
+
+
+def loss_and_tau(sums: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(weighted cross-entropy, train tau) of block_sums()."""
+    return sums[0] / jnp.maximum(sums[1], 1e-9), 1.0 + sums[2] / jnp.maximum(sums[3], 1)
 
 
 def block_loss(logits: jax.Array, labels: jax.Array, weights: jax.Array, valid: jax.Array
                ) -> tuple[jax.Array, jax.Array]:
     """(sum of weighted cross-entropies / sum of weights, train tau) of block logits
-    [..., N, B-1, V], labels and weights [..., N, B-1] and valid blocks [..., N]."""
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    loss = (weights * ce).sum() / jnp.maximum(weights.sum(), 1e-9)
-    right = (jnp.argmax(logits, axis=-1) == labels) & (weights > 0)
-    run = jnp.cumprod(right, axis=-1).sum(axis=-1)  # [..., N] leading right predictions
-    tau = 1.0 + (run * valid).sum() / jnp.maximum(valid.sum(), 1)
-    return loss, tau
+    (block_sums' arguments)."""
+    return loss_and_tau(block_sums(logits, labels, weights, valid))
 
 
 @functools.cache
 def make_train_step(cfg: DFlashConfig, target_cfg: Qwen3Config, tc: DFlashTrainConfig) -> Callable:
-    """Jitted ``(params, opt_state, target_params, batch) -> (params, opt_state, loss, tau)``;
-    donates the drafter state; the target's params are only read."""
+    """Jitted ``(params, opt_state, target_params, batch) -> (params, opt_state, loss, tau)``
+    over a batch of ``tc.accum`` micro-batches (leaves [accum, batch, ...], :func:`batch_at`);
+    donates the drafter state; the target's params are only read.
+
+    Each micro-batch adds the gradient of its weighted cross-entropy sum; the total is
+    divided by the weight of all of them, so a step is exactly one over the whole batch
+    (up to float summation order), however it is split. Sharded over devices along the
+    batch axis, XLA's partitioner inserts the reductions of these sums."""
     optimizer = lm.make_optimizer(tc)
     gamma = tc.gamma or default_gamma(cfg.block_size)
 
+    def weighted_ce(params, target_params, batch):  # (the sum to differentiate, block_sums)
+        sums = loss_sums(params, cfg, target_params, target_cfg, gamma, batch)
+        return sums[0], sums
+
+    def micro(params, target_params, carry, batch):
+        grads, sums = carry
+        g, s = jax.grad(weighted_ce, has_aux=True)(params, target_params, batch)
+        return (jax.tree.map(jnp.add, grads, g), sums + s), None
+
     def step(params, opt_state, target_params, batch):
-        (loss, tau), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, cfg, target_params, target_cfg, gamma, batch)
+        zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(4, jnp.float32))
+        (grads, sums), _ = jax.lax.scan(functools.partial(micro, params, target_params), zeros, batch)
+        grads = jax.tree.map(lambda g: g / jnp.maximum(sums[1], 1e-9), grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, tau
+        return (optax.apply_updates(params, updates), opt_state, *loss_and_tau(sums))
 
     return jax.jit(step, donate_argnums=(0, 1))
 
@@ -188,11 +226,15 @@ def sample_anchors(lengths: np.ndarray, starts: np.ndarray, n: int, rng: np.rand
 
 
 def batch_at(data: Sequences, tc: DFlashTrainConfig, step: int) -> dict[str, np.ndarray]:
-    """The training batch of `step` (a pure function of seed, step and the data)."""
+    """The training batch of `step` (a pure function of seed, step, batch * accum and the
+    data), leaves [accum, batch, ...]: the same sequences and anchors whichever way
+    batch * accum is split."""
     rng = np.random.default_rng((tc.seed, step))
-    rows = rng.choice(len(data.tokens), tc.batch, replace=len(data.tokens) < tc.batch)
+    n = tc.batch * tc.accum
+    rows = rng.choice(len(data.tokens), n, replace=len(data.tokens) < n)
     anchors, valid = sample_anchors(data.lengths[rows], data.starts[rows], tc.anchors, rng)
-    return {"tokens": data.tokens[rows], "lengths": data.lengths[rows], "anchors": anchors, "valid": valid}
+    flat = {"tokens": data.tokens[rows], "lengths": data.lengths[rows], "anchors": anchors, "valid": valid}
+    return {k: v.reshape(tc.accum, tc.batch, *v.shape[1:]) for k, v in flat.items()}
 
 
 # ------------------------------------------------------------------------ evaluation
@@ -235,10 +277,13 @@ def heldout_prompts(tokenizer: Any, n: int, prompt_len: int) -> list[tuple[str, 
 
 def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data: Sequences, run_dir: Path,
           out_dir: Path | None = None, eval_prompts: Sequence[tuple[str, Sequence[int]]] = (),
-          init: Path | None = None) -> dict:
+          init: Path | None = None, mesh: Mesh | None = None) -> dict:
     """Train (or resume) a drafter until ``tc.steps``; returns {"params", "opt_state", "step"}.
 
-    A fresh run starts from random weights, or from the drafter folder `init`.
+    A fresh run starts from random weights, or from the drafter folder `init`. Over a
+    `mesh` (:func:`data_mesh`; default one device) the drafter, its optimizer state and the
+    frozen target are replicated and each micro-batch is split along its rows (data
+    parallel; the target from unpacked weights, which XLA partitions like any dot).
 
     metrics.jsonl gets a row of mean training loss and train tau every ``tc.log_every``
     steps, and with `eval_prompts` a row of evaluate_tau() at step 0 of a fresh run and
@@ -259,8 +304,14 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
         if record["drafter"] != cfg.to_hf():
             raise ValueError(f"{run_dir}: checkpoint is of another drafter config; use a fresh --run folder")
         print(f"resumed from {run_dir} at step {step}")
-    params, opt_state = state["params"], state["opt_state"]
-    tokens_per_step = tc.batch * data.tokens.shape[1]
+    mesh = mesh or data_mesh(1)
+    if tc.batch % mesh.size:
+        raise dflash.DFlashError(f"--batch {tc.batch} is not a multiple of --devices {mesh.size}")
+    replicated, by_row = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "data"))
+    params, opt_state = jax.device_put((state["params"], state["opt_state"]), replicated)
+    target_params = (target.params if mesh.size == 1 else
+                     jax.device_put(cpu_kernels.unpack_tree(target.params), replicated))
+    tokens_per_step = tc.batch * tc.accum * data.tokens.shape[1]
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"drafter: {n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, block {cfg.block_size}; "
           f"{len(data.tokens)} sequences of {data.tokens.shape[1]}; {tc.steps} steps of {tokens_per_step} tokens")
@@ -268,7 +319,8 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
 
     def advance(step: int) -> dict:
         nonlocal params, opt_state
-        params, opt_state, loss, tau = train_step(params, opt_state, target.params, batch_at(data, tc, step))
+        batch = jax.device_put(batch_at(data, tc, step), by_row)
+        params, opt_state, loss, tau = train_step(params, opt_state, target_params, batch)
         window.append((float(loss), float(tau)))
         if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
             loss_mean, tau_mean = np.mean(window, axis=0)
@@ -280,7 +332,7 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     def evaluate(step: int) -> None:
         if not eval_prompts:
             return
-        drafter = dflash.Drafter(params, cfg, jnp.float32)
+        drafter = dflash.Drafter(jax.device_put(params, jax.local_devices()[0]), cfg, jnp.float32)  # the target's
         row = {"step": step, "tokens": step * tokens_per_step, "time": time.time(),
                **evaluate_tau(target, drafter, eval_prompts, tc.eval_tokens)}
         if record["best_tau"] is None or row["tau"] > record["best_tau"]:
@@ -302,6 +354,14 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     finally:
         ckpts.close()
     return {"params": params, "opt_state": opt_state, "step": step}
+
+
+def data_mesh(devices: int) -> Mesh:
+    """A one-axis mesh ("data") over the first `devices` local devices."""
+    local = jax.local_devices()
+    if not 1 <= devices <= len(local):
+        raise dflash.DFlashError(f"--devices {devices}: this process has {len(local)} local device(s)")
+    return Mesh(np.array(local[:devices]), ("data",))
 
 
 def mask_token_id(tokenizer: Any, embedding_rows: int, given: int | None = None) -> int:
@@ -381,6 +441,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--eval-prompts", type=int, default=4,
                    help="corpus mode: held-out prompts per workload (edit, complete)")
     p.add_argument("--eval-prompt-len", type=int, default=300)
+    p.add_argument("--devices", type=int, help="local devices to split each batch over (default: all)")
     lm.add_config_flags(p, DataConfig)
     p.set_defaults(**dict.fromkeys(SAMPLING_FLAGS))  # not given: the target's generation_config.json
     lm.add_config_flags(p, DFlashTrainConfig)
@@ -393,6 +454,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     _sampling_flags(args, target)
     dc, tc = lm.config_from_args(args, DataConfig), lm.config_from_args(args, DFlashTrainConfig)
     mask = mask_token_id(tok, target.config.vocab_size, args.mask_token_id)
+    mesh = data_mesh(args.devices or jax.local_device_count())
+    if tc.batch % mesh.size:
+        p.error(f"--batch {tc.batch} is not a multiple of --devices {mesh.size}")
     cfg = dflash.config_for(target.config, args.layers, args.block_size, args.target_layer_ids, mask)
     run = args.run or Path("runs") / args.out.name
     data_dir = args.data or run / "data"
@@ -409,7 +473,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("interrupted: finished shards are kept; rerun to continue")
         return
-    train(target, cfg, tc, data, run, args.out, eval_prompts, args.init)
+    train(target, cfg, tc, data, run, args.out, eval_prompts, args.init, mesh)
 
 
 if __name__ == "__main__":
