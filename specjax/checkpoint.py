@@ -226,11 +226,15 @@ def _open(path: Path) -> Iterator[Any]:
         raise CheckpointError(f"{path}: cannot read safetensors ({e})") from e
 
 
+SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 def iter_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]], dtype: Any,
-                 optional: Iterable[str] = ()) -> Iterator[tuple[str, jax.Array]]:
+                 optional: Iterable[str] = (), keep16: bool = False) -> Iterator[tuple[str, jax.Array]]:
     """The named tensors of a safetensors folder as (name, array) in `dtype`, one at a time
     in file order; presence is checked before the first is read, shape and dtype as each is.
-    Tensors named in `optional` are read when present."""
+    Tensors named in `optional` are read when present. With `keep16`, matrices stored in
+    bfloat16 or float16 stay as stored (for the CPU kernel, which widens them exactly)."""
     folder = Path(folder)
     files = _weight_files(folder)
     optional = set(optional)
@@ -255,7 +259,7 @@ def iter_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]], dtype
                         f"{path}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(expected[name])}")
                 if not jnp.issubdtype(t.dtype, jnp.floating):
                     raise CheckpointError(f"{path}: tensor {name} has non-float dtype {t.dtype}")
-                yield name, t.astype(dtype)
+                yield name, t if keep16 and t.ndim == 2 and jnp.dtype(t.dtype) in SIXTEEN_BIT else t.astype(dtype)
 
 
 def _drop_tied_head(items: Iterable[tuple[str, Any]], folder: Path) -> Iterator[tuple[str, Any]]:
@@ -275,18 +279,29 @@ def _drop_tied_head(items: Iterable[tuple[str, Any]], folder: Path) -> Iterator[
 
 
 def packed(_: str, value: Any) -> Any:
-    """The loading transform for a single device: weights packed where the CPU kernel runs
-    (`cpu_kernels.pack_tree`)."""
+    """The loading transform for float32 compute on a single device: weights packed where
+    the CPU kernel runs (`cpu_kernels.pack_tree`)."""
     return cpu_kernels.pack_tree(value)
 
 
-def load_params(folder: str | Path, cfg: Qwen3Config, dtype: Any, transform: Transform | None = None) -> Params:
-    """A HF Qwen3 folder's weights in `dtype`, in the inference layout (`checkpoint.stack`
-    gives the training one), each layer passed through `transform` as it is read (see
-    `layers_from_hf`)."""
+def loading(dtype: Any, requested: bool) -> tuple[Transform | None, bool]:
+    """How a checkpoint is read onto a single device for compute in `dtype` (`requested`:
+    the caller named it): the transform for each tensor and whether 16-bit matrices stay
+    in 16 bits. They do for float32 compute where the CPU kernels run, unless float32
+    was asked for."""
+    if jnp.dtype(dtype) != jnp.float32:
+        return None, False
+    return packed, not requested and cpu_kernels.runs()
+
+
+def load_params(folder: str | Path, cfg: Qwen3Config, dtype: Any, transform: Transform | None = None,
+                keep16: bool = False) -> Params:
+    """A HF Qwen3 folder's weights in `dtype` (16-bit matrices as stored with `keep16`, see
+    `iter_tensors`), in the inference layout (`checkpoint.stack` gives the training one),
+    each layer passed through `transform` as it is read (see `layers_from_hf`)."""
     folder = Path(folder)
     optional = ["lm_head.weight"] if cfg.tie_word_embeddings else []
-    items = iter_tensors(folder, hf_shapes(cfg), dtype, optional)
+    items = iter_tensors(folder, hf_shapes(cfg), dtype, optional, keep16)
     if cfg.tie_word_embeddings:
         items = _drop_tied_head(items, folder)
     return layers_from_hf(items, cfg, transform=transform)

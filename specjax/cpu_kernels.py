@@ -5,9 +5,12 @@ the memory-bandwidth floor (docs/performance.md, sections 2 and 3):
   place. XLA copies each layer's pool slab and runs YNNPACK batched matmuls at 1-3 GB/s:
   about half of the shipped model's decode step.
 - `matmul`: x [M, D] times a weight [N, D] (decode, verify, drafting, prefill chunks), the
-  weight stored as 16-output panels (`Packed`, made at load by `pack_tree`). XLA switches
-  to a packed GEMM from two rows on that costs ~2x a one-row GEMV, so a verify step of 8
-  tokens cost 2x a decode step; the kernel streams the weight once for all rows.
+  weight stored as 16-output panels (`Packed`, made at load by `pack_tree`) in float32,
+  bfloat16 or float16. XLA switches to a packed GEMM from two rows on that costs ~2x a
+  one-row GEMV, so a verify step of 8 tokens cost 2x a decode step; the kernel streams the
+  weight once for all rows. A step is bound by reading the weights, so a 16-bit checkpoint
+  is kept in 16 bits and widened in registers: half the bytes, and (widening being exact)
+  bitwise the results of the same weights stored as float32.
 - `kv_write`: a layer's new keys and values into the pools, in place (results alias the
   pools). XLA's per-token `dynamic_update_slice` loop costs ~3 us a token and pool.
 
@@ -56,6 +59,8 @@ HEAD_DIMS = (16, 24, 32, 48, 64, 96, 128)
 MAX_ROWS = 64
 # Outputs per panel of a packed weight: one 64-byte line per input column (csrc/matmul.cc).
 PANEL = 16
+# What the matmul kernel reads a weight's panels as; it computes in float32 either way.
+PANEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 _state: dict[str, object] = {}
 
@@ -110,7 +115,17 @@ def available() -> bool:
 
 
 def _on_cpu(*arrays: jax.Array) -> bool:
-    return all(a.dtype == jnp.float32 for a in arrays) and jax.default_backend() == "cpu" and available()
+    return all(a.dtype == jnp.float32 for a in arrays) and runs()
+
+
+def runs() -> bool:
+    """Whether the kernels run here (the CPU backend, compiled and registered): then weights
+    are packed at load, and a 16-bit checkpoint can stay in 16 bits."""
+    return jax.default_backend() == "cpu" and available()
+
+
+def _packable(w: Any) -> bool:
+    return w.ndim == 2 and jnp.dtype(w.dtype) in PANEL_DTYPES and runs()
 
 
 def applies(q: jax.Array, pool: jax.Array) -> bool:
@@ -185,9 +200,11 @@ def _require() -> None:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Packed:
-    """A weight [N, D] (HF orientation) stored for `matmul` as panels [ceil(N/16), D, 16]:
-    output n is panels[n // 16, :, n % 16], the last panel zero-padded. `pack_tree` makes
-    them at load where the kernel runs; `unpack_tree` gives the HF layout back."""
+    """A float32 weight [N, D] (HF orientation) stored for `matmul` as panels
+    [ceil(N/16), D, 16] in float32, bfloat16 or float16: output n is panels[n // 16, :,
+    n % 16], the last panel zero-padded. `pack_tree` makes them at load where the kernel
+    runs; `unpack_tree` gives the HF layout back. Whatever the panels hold, the weight's
+    values are float32 (`dtype`): what `matmul` computes with, `rows` and `unpack` return."""
 
     panels: jax.Array
     n: int = dataclasses.field(metadata={"static": True})
@@ -198,6 +215,11 @@ class Packed:
 
     @property
     def dtype(self) -> Any:
+        return jnp.dtype(jnp.float32)
+
+    @property
+    def stored(self) -> Any:
+        """The panels' dtype: what a step reads from memory."""
         return self.panels.dtype
 
     @property
@@ -206,24 +228,29 @@ class Packed:
 
     def unpack(self) -> jax.Array:
         *batch, p, d, _ = self.panels.shape  # batch: e.g. per-example gradients under vmap
-        return jnp.swapaxes(self.panels, -1, -2).reshape(*batch, p * PANEL, d)[..., :self.n, :]
+        w = jnp.swapaxes(self.panels, -1, -2).reshape(*batch, p * PANEL, d)[..., :self.n, :]
+        return w.astype(self.dtype)
 
 
 def pack(w: jax.Array) -> Packed:
-    """The weight [N, D] as panels (see `Packed`)."""
+    """The weight [N, D] as panels (see `Packed`) of its own dtype (float32, bfloat16 or float16)."""
     n, d = w.shape
+    if jnp.dtype(w.dtype) not in PANEL_DTYPES:
+        raise ValueError(f"pack: weights are float32, bfloat16 or float16, got {jnp.dtype(w.dtype).name}")
     padded = jnp.pad(jnp.asarray(w), ((0, -n % PANEL), (0, 0)))
     return Packed(jnp.swapaxes(padded.reshape(-1, PANEL, d), 1, 2), n)
 
 
 def pack_tree(params: Any) -> Any:
-    """`params` with every 2-D weight packed for `matmul` where the kernel runs (CPU,
-    float32, compiled); unchanged elsewhere. Loading does this once (a copy per weight)."""
-    return jax.tree.map(lambda w: pack(w) if w.ndim == 2 and _on_cpu(w) else w, params)
+    """`params` with every 2-D weight (float32, bfloat16 or float16) packed for `matmul`
+    where the kernel runs; unchanged elsewhere. Loading does this once (a copy per weight).
+    Packed weights compute in float32: a tree for 16-bit compute is not packed."""
+    return jax.tree.map(lambda w: pack(w) if _packable(w) else w, params)
 
 
 def unpack_tree(params: Any) -> Any:
-    """`params` with every `Packed` weight back in the HF layout [N, D] (saving, sharding)."""
+    """`params` with every `Packed` weight back in the HF layout [N, D], in float32 (saving,
+    sharding, training)."""
     return jax.tree.map(lambda w: w.unpack() if isinstance(w, Packed) else w, params,
                         is_leaf=lambda w: isinstance(w, Packed))
 
@@ -233,9 +260,21 @@ def rows(w: jax.Array | Packed, ids: jax.Array) -> jax.Array:
     Out-of-range ids behave as jnp indexing does (negative ones wrap, the rest clamp), never
     as the panels' zero padding."""
     if isinstance(w, Packed):
-        ids = jnp.asarray(ids)
-        ids = jnp.clip(jnp.where(ids < 0, ids + w.n, ids), 0, w.n - 1)
-        return w.panels[ids // PANEL, :, ids % PANEL]
+        return w.panels[_gather_ids(w, ids)].astype(w.dtype)
+    return w[ids]
+
+
+def _gather_ids(w: Packed, ids: jax.Array) -> tuple[jax.Array, slice, jax.Array]:
+    ids = jnp.asarray(ids)
+    ids = jnp.clip(jnp.where(ids < 0, ids + w.n, ids), 0, w.n - 1)
+    return ids // PANEL, slice(None), ids % PANEL
+
+
+def select(w: jax.Array | Packed, ids: jax.Array) -> jax.Array | Packed:
+    """The weight of outputs `ids` only (a head over a reduced vocabulary), stored as `w`
+    is: packed in its panels' dtype, or a plain array."""
+    if isinstance(w, Packed):
+        return pack(w.panels[_gather_ids(w, ids)])
     return w[ids]
 
 
@@ -292,7 +331,7 @@ def matmul(x: jax.Array, w: Packed) -> jax.Array:
     """x [..., D] times a packed weight: [..., N]. The kernel where it runs (float32 x on
     CPU), for any number of rows, so a prefill chunk's rows get a decode step's bits; XLA's
     dot over the unpacked weight otherwise."""
-    if not (math.prod(x.shape[:-1]) >= 1 and _on_cpu(x, w.panels)):
+    if not (math.prod(x.shape[:-1]) >= 1 and x.dtype == jnp.float32 and runs()):
         return _dense(x, w)
     _require()
     return _matmul(x.reshape(-1, x.shape[-1]), w.panels, w.n).reshape(*x.shape[:-1], w.n)

@@ -301,9 +301,10 @@ def load_dflash(path: str | Path, target: Model, dtype: Any = None, mesh: jax.sh
         raise CheckpointError(f"{folder}: not a directory")
     cfg = DFlashConfig.from_file(folder / "config.json")
     check_fits(cfg, target.config, str(folder / "config.json"))
-    dtype = jnp.dtype(dtype) if dtype is not None else jnp.dtype(target.dtype)
-    params = checkpoint.layers_from_hf(checkpoint.iter_tensors(folder, hf_shapes(cfg), dtype), cfg.layer_config,
-                                       DRAFT_LAYERS, transform=checkpoint.packed if mesh is None else placer(mesh))
+    requested, dtype = dtype is not None, jnp.dtype(dtype) if dtype is not None else jnp.dtype(target.dtype)
+    transform, keep16 = (placer(mesh), False) if mesh is not None else checkpoint.loading(dtype, requested)
+    params = checkpoint.layers_from_hf(checkpoint.iter_tensors(folder, hf_shapes(cfg), dtype, keep16=keep16),
+                                       cfg.layer_config, DRAFT_LAYERS, transform=transform)
     vocab = None
     if (folder / VOCAB_FILE).is_file():
         raw = read_json(folder / VOCAB_FILE)

@@ -133,10 +133,11 @@ Head = tuple[jax.Array | cpu_kernels.Packed, jax.Array]  # (head rows [N, D], th
 
 
 def draft_head(params: Params, cfg: Qwen3Config, vocab: np.ndarray) -> Head:
-    """The target head's rows of a draft vocabulary (packed where the CPU kernel runs) and
-    the vocabulary's ids: what a DFlash block is scored with when the drafter has one."""
+    """The target head's rows of a draft vocabulary (stored as the head is: packed, in its
+    panels' dtype, where the CPU kernel runs) and the vocabulary's ids: what a DFlash block
+    is scored with when the drafter has one."""
     ids = jnp.asarray(vocab, jnp.int32)
-    return cpu_kernels.pack_tree(cpu_kernels.rows(head_weight(params, cfg), ids)), ids
+    return cpu_kernels.select(head_weight(params, cfg), ids), ids
 
 
 def block_logits(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, params: Params, cfg: Qwen3Config,

@@ -93,6 +93,12 @@ def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = N
     """Load a local Hugging Face Qwen3 folder (weights sharded or not, any float dtype),
     with its tokenizer and generation_config.json (eos ids, sampling defaults) when present.
 
+    `dtype` is the compute dtype (default: float32 on CPU, bfloat16 on accelerators). On
+    CPU with the default, matrices stored in bfloat16 or float16 stay in 16 bits in memory
+    and the kernels widen them to float32 in registers (`cpu_kernels.Packed`): half the
+    memory and the bytes a step reads, and bitwise the logits of ``dtype="float32"``,
+    which widens them at load.
+
     With a `jax.sharding.Mesh`, each weight is placed tensor-parallel over it as it is read
     (`specjax.sharding`), so a model larger than one device's memory loads; the result is
     what `specjax.shard` makes of the whole model.
@@ -102,12 +108,9 @@ def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = N
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a directory")
     cfg, defaults = _generation_config(folder, Qwen3Config.from_file(folder / "config.json"))
-    dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
-    if mesh is None:
-        transform = checkpoint.packed
-    else:
-        transform = placer(mesh)
-    params = checkpoint.load_params(folder, cfg, dtype, transform)
+    requested, dtype = dtype is not None, jnp.dtype(dtype) if dtype is not None else default_dtype()
+    transform, keep16 = (placer(mesh), False) if mesh is not None else checkpoint.loading(dtype, requested)
+    params = checkpoint.load_params(folder, cfg, dtype, transform, keep16)
     return Model(cfg, params, dtype, _load_tokenizer(folder), folder, defaults)
 
 

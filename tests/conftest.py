@@ -92,11 +92,13 @@ def run_crashing_at(monkeypatch, module, step: int, run) -> None:
 
 @pytest.fixture(scope="session")
 def cyclic_target(tmp_path_factory):
-    """A random target whose greedy output falls into cycles, so prompt-lookup drafts get accepted."""
+    """A random target whose greedy output falls into cycles, so prompt-lookup drafts get
+    accepted; stored in bf16, so it loads as real checkpoints do on CPU (matrices kept in
+    16 bits, widened by the kernels) and the exactness tests run that path."""
     import specjax
 
     folder = tmp_path_factory.mktemp("cyclic")
-    hf_tiny(folder, seed=3, init=0.1)
+    hf_tiny(folder, seed=3, init=0.1, dtype="bfloat16")
     return specjax.load(folder)
 
 

@@ -167,12 +167,88 @@ def test_packing_round_trips_and_gathers_rows(rng):
     np.testing.assert_array_equal(np.asarray(cpu_kernels.rows(packed, ids)), w[np.asarray(ids)])
     wild = jnp.asarray([-1, 37, 40, 47])  # out of range: as jnp indexing (wrap, clamp), not the padding
     np.testing.assert_array_equal(np.asarray(cpu_kernels.rows(packed, wild)), np.asarray(jnp.asarray(w)[wild]))
-    tree = {"w": jnp.asarray(w), "norm": jnp.ones(24), "half": jnp.asarray(w, jnp.bfloat16)}
+    tree = {"w": jnp.asarray(w), "norm": jnp.ones(24), "half": jnp.asarray(w, jnp.bfloat16),
+            "wide": np.asarray(w, np.float64)}
     packed_tree = cpu_kernels.pack_tree(tree)
     assert isinstance(packed_tree["w"], cpu_kernels.Packed)
     assert not isinstance(packed_tree["norm"], cpu_kernels.Packed)  # not a weight matrix
-    assert not isinstance(packed_tree["half"], cpu_kernels.Packed)  # the kernel is float32 only
-    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack_tree(packed_tree)["w"]), w)
+    assert packed_tree["half"].stored == jnp.bfloat16 and packed_tree["half"].dtype == jnp.float32
+    assert not isinstance(packed_tree["wide"], cpu_kernels.Packed)  # no float64 kernel
+    unpacked = cpu_kernels.unpack_tree(packed_tree)
+    np.testing.assert_array_equal(np.asarray(unpacked["w"]), w)
+    assert unpacked["half"].dtype == jnp.float32  # a packed weight's values are float32
+    np.testing.assert_array_equal(np.asarray(unpacked["half"]), np.asarray(jnp.asarray(w, jnp.bfloat16), np.float32))
+
+
+def _sixteen_bit(rng, shape, dtype):
+    """Random 16-bit weights including what widening must get right: zeros of both signs,
+    subnormals, the largest finite values (inf and NaN are no weights and stay out)."""
+    w = rng.standard_normal(shape).astype(np.float32)
+    w.flat[:6] = [0.0, -0.0, 6e-8, -3e-5, 65504.0, -65504.0] if dtype == jnp.float16 else \
+                 [0.0, -0.0, 1e-39, -5e-40, 3e38, -3e38]
+    return jnp.asarray(w, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m,d,n", [(1, 64, 100), (8, 24, 33), (13, 48, 64)])
+def test_16_bit_panels_give_the_bits_of_the_same_weights_in_float32(rng, dtype, m, d, n):
+    """Widening is exact, so every output is bitwise the float32 kernel's on the widened
+    weights, for whole and partial panels and any number of rows."""
+    x = jnp.asarray(rng.standard_normal((m, d)) * 1e-3, jnp.float32)  # small x: no overflow on 3e38
+    w16 = _sixteen_bit(rng, (n, d), dtype)
+    widened = np.asarray(w16, np.float32)
+    packed = _packed(w16)
+    assert packed.stored == dtype and packed.panels.nbytes == 2 * packed.panels.size
+    np.testing.assert_array_equal(np.asarray(packed.unpack()), widened)
+    got = np.asarray(jax.jit(cpu_kernels.matmul)(x, packed))
+    np.testing.assert_array_equal(got, np.asarray(cpu_kernels.matmul(x, _packed(widened))))
+    np.testing.assert_allclose(got, np.asarray(x, np.float64) @ widened.astype(np.float64).T, rtol=1e-4, atol=1e-4)
+    ids = jnp.asarray([0, 1, 2, 5, n - 1])
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.rows(packed, ids)), widened[np.asarray(ids)])
+    head = cpu_kernels.select(packed, ids)  # a reduced head keeps the storage
+    assert head.stored == dtype
+    np.testing.assert_array_equal(np.asarray(head.unpack()), widened[np.asarray(ids)])
+
+
+_WIDEN_ALL = r"""
+#include <cstdio>
+#include "vec8.h"
+int main() {  // every 16-bit pattern widened, as float32 bits on stdout
+  for (unsigned hi = 0; hi < 65536; hi += 8) {
+    uint16_t in[8];
+    for (int j = 0; j < 8; ++j) in[j] = uint16_t(hi + j);
+    const specjax::V8 f = specjax::Widen(reinterpret_cast<const specjax::FORMAT*>(in));
+    std::fwrite(&f, sizeof f, 1, stdout);
+  }
+}
+"""
+
+
+@pytest.mark.parametrize("fmt", ["BF16", "F16"])
+def test_widening_every_16_bit_pattern_without_f16c(tmp_path, fmt):
+    """The portable widening (what machines without F16C run, e.g. ARM) against NumPy's
+    conversion, for all 65536 patterns (NaNs compared as NaN)."""
+    import shutil
+    import subprocess
+
+    import ml_dtypes
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = tmp_path / "widen.cc"
+    src.write_text(_WIDEN_ALL.replace("FORMAT", fmt))
+    flags = ["-O2", "-std=c++17", "-ffp-contract=off", f"-I{cpu_kernels.CSRC}"]
+    if subprocess.run([cxx, "-mno-f16c", "-x", "c++", "-fsyntax-only", "-"], input="", text=True,
+                      capture_output=True).returncode == 0:
+        flags.append("-mno-f16c")  # x86: the portable path, not the F16C instruction
+    subprocess.run([cxx, *flags, str(src), "-o", str(tmp_path / "widen")], check=True, timeout=120)
+    got = np.frombuffer(subprocess.run([str(tmp_path / "widen")], capture_output=True, check=True).stdout, np.float32)
+    patterns = np.arange(65536, dtype=np.uint16).view(ml_dtypes.bfloat16 if fmt == "BF16" else np.float16)
+    want = patterns.astype(np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
 
 
 def test_a_prefill_chunk_gets_each_rows_decode_bits(rng):
@@ -279,3 +355,4 @@ def test_tree_masks_match_a_brute_force_mask(rng, t):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
     xla = _xla(q, k, v, 1, slots, q_pos, jnp.asarray(base, jnp.int32), jnp.asarray(bits))
     np.testing.assert_allclose(np.asarray(xla), np.asarray(want), rtol=1e-4, atol=1e-5)
+

@@ -14,6 +14,11 @@
 // Each output is one FMA chain over k = 0 .. D-1 in order, so row m's result is bitwise the
 // same whatever M is and however rows are grouped into passes: the logits of a token in a
 // verify step equal those of the decode step that would have produced it.
+//
+// The panels may hold float32, bfloat16 or float16 (a 16-bit checkpoint kept in 16 bits:
+// half the bytes a step streams). A 16-bit panel line is widened to float32 in registers
+// (vec8.h: Widen); widening is exact, so the FMA chain and every output are bitwise those
+// of the same weight stored as float32.
 
 #include <algorithm>
 #include <cstdint>
@@ -33,9 +38,12 @@ using specjax::ParallelFor;
 using specjax::Splat;
 using specjax::Store;
 using specjax::V8;
+using specjax::Widen;
 
 constexpr int64_t kPanel = 16;  // outputs per panel (two vectors of eight)
-constexpr int64_t kAhead = 64;  // columns prefetched ahead (4 kB; 32 and 128 were slower, none 1.5x at M = 8)
+// Bytes prefetched ahead of the column being read (4 kB: 2 and 8 kB were slower for float32
+// panels, none 1.5x at M = 8).
+constexpr int64_t kAheadBytes = 4096;
 // Rows per pass over a panel: 2 accumulators a row, plus the panel's two vectors and a
 // broadcast, must fit the vector registers (32 with AVX-512VL, 16 with AVX).
 #if defined(__AVX512VL__)
@@ -44,17 +52,17 @@ constexpr int kRows = 8;
 constexpr int kRows = 4;
 #endif
 
-// Panels [p0, p1) against M <= kRows rows of x; M is a template argument so the
-// accumulators live in registers while the panel streams past.
-template <int M>
-void Panels(const float* x, const float* w, float* y, int64_t D, int64_t N, int64_t p0, int64_t p1) {
+// Panels [p0, p1) of weights of type W against M <= kRows rows of x; M is a template
+// argument so the accumulators live in registers while the panel streams past.
+template <typename W, int M>
+void Panels(const float* x, const W* w, float* y, int64_t D, int64_t N, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; ++p) {
-    const float* panel = w + p * D * kPanel;
+    const W* panel = w + p * D * kPanel;
     V8 lo[M], hi[M];
     for (int m = 0; m < M; ++m) lo[m] = V8{}, hi[m] = V8{};
     for (int64_t k = 0; k < D; ++k) {
-      __builtin_prefetch(panel + (k + kAhead) * kPanel, 0, 0);
-      const V8 a = Load(panel + k * kPanel), b = Load(panel + k * kPanel + 8);
+      __builtin_prefetch(panel + (k + kAheadBytes / int64_t{sizeof(W) * kPanel}) * kPanel, 0, 0);
+      const V8 a = Widen(panel + k * kPanel), b = Widen(panel + k * kPanel + 8);
       for (int m = 0; m < M; ++m) {
         const V8 xm = Splat(x[m * D + k]);
         lo[m] = Fma(xm, a, lo[m]);
@@ -71,15 +79,28 @@ void Panels(const float* x, const float* w, float* y, int64_t D, int64_t N, int6
   }
 }
 
-using PanelsFn = decltype(&Panels<1>);
+template <typename W>
+using PanelsFn = void (*)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t);
 
-template <int... Ms>
-PanelsFn Pick(int64_t m, std::integer_sequence<int, Ms...>) {
-  PanelsFn fns[] = {&Panels<Ms + 1>...};
+template <typename W, int... Ms>
+PanelsFn<W> Pick(int64_t m, std::integer_sequence<int, Ms...>) {
+  PanelsFn<W> fns[] = {&Panels<W, Ms + 1>...};
   return fns[m - 1];
 }
 
-ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <typename W>
+void Run(ffi::ThreadPool& pool, const float* xp, const W* wp, float* yp, int64_t M, int64_t D, int64_t P,
+         int64_t N) {
+  ParallelFor(pool, P, [&](int64_t p) {
+    // More than kRows rows: passes of kRows over the panel (read again from L1/L2).
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const PanelsFn<W> panels = Pick<W>(std::min<int64_t>(kRows, M - m0), std::make_integer_sequence<int, kRows>{});
+      panels(xp + m0 * D, wp, yp + m0 * N, D, N, p, p + 1);
+    }
+  });
+}
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                       ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
@@ -90,16 +111,20 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (M < 1 || N > P * kPanel || N <= (P - 1) * kPanel)
     return ffi::Error::InvalidArgument("matmul: needs M >= 1 and N in the last panel");
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
   float* yp = y->typed_data();
-
-  ParallelFor(pool, P, [&](int64_t p) {
-    // More than kRows rows: passes of kRows over the panel (read again from L1/L2).
-    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-      const PanelsFn panels = Pick(std::min<int64_t>(kRows, M - m0), std::make_integer_sequence<int, kRows>{});
-      panels(xp + m0 * D, wp, yp + m0 * N, D, N, p, p + 1);
-    }
-  });
+  switch (w.element_type()) {
+    case ffi::DataType::F32:
+      Run(pool, xp, static_cast<const float*>(w.untyped_data()), yp, M, D, P, N);
+      break;
+    case ffi::DataType::BF16:
+      Run(pool, xp, static_cast<const specjax::BF16*>(w.untyped_data()), yp, M, D, P, N);
+      break;
+    case ffi::DataType::F16:
+      Run(pool, xp, static_cast<const specjax::F16*>(w.untyped_data()), yp, M, D, P, N);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("matmul: weight panels must be float32, bfloat16 or float16");
+  }
   return ffi::Error::Success();
 }
 
@@ -109,5 +134,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmul, MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -24,6 +24,55 @@ inline V8 Load(const float* p) {
 
 inline void Store(float* p, V8 x) { std::memcpy(p, &x, sizeof x); }
 
+// 16-bit weights, as stored: the raw bits of a bfloat16 or an IEEE float16.
+struct BF16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+
+typedef uint16_t V8h __attribute__((vector_size(16)));
+typedef uint32_t V8u __attribute__((vector_size(32)));
+
+inline V8u Bits(const uint16_t* p) {
+  V8h h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, V8u);
+}
+
+inline V8 AsFloat(V8u u) {
+  V8 r;
+  std::memcpy(&r, &u, sizeof r);
+  return r;
+}
+
+// Eight weights as float32; exact for both 16-bit formats (every value they hold is a float32).
+inline V8 Widen(const float* p) { return Load(p); }
+
+// bfloat16 is float32's upper half.
+inline V8 Widen(const BF16* p) { return AsFloat(Bits(&p->bits) << 16); }
+
+inline V8 Widen(const F16* p) {
+#if defined(__F16C__)
+  __m128i h;
+  std::memcpy(&h, p, sizeof h);
+  return (V8)_mm256_cvtph_ps(h);
+#else
+  // Exponent and mantissa moved into float32's fields and rebiased (15 -> 127); infinities
+  // and NaNs rebiased once more to the top exponent; subnormals renormalized by subtracting
+  // 2^-14, which float32 does exactly. Then the sign.
+  const V8u h = Bits(&p->bits);
+  const V8u shifted = (h & 0x7fffu) << 13;
+  const V8u exp = shifted & (0x7c00u << 13);
+  V8u u = shifted + ((127u - 15u) << 23);
+  u = exp == (0x7c00u << 13) ? u + ((128u - 16u) << 23) : u;
+  const V8 sub = AsFloat(u + (1u << 23)) - AsFloat(V8u{} + (113u << 23));
+  V8u out = exp == 0 ? (V8u)sub : u;
+  return AsFloat(out | ((h & 0x8000u) << 16));
+#endif
+}
+
 // x in every lane (one broadcast; `V8{} + x` costs an add as well, which must stay: 0 + -0 is +0).
 inline V8 Splat(float x) { return V8{x, x, x, x, x, x, x, x}; }
 
