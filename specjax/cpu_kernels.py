@@ -18,8 +18,10 @@ The first two compute every output in a fixed order whatever the batch, so a tok
 verify step are bitwise those of the decode step that would have produced it.
 
 The sources (`csrc/*.cc`) are compiled on first use with the machine's C++ compiler
-(`$CXX`, else `c++`) against the FFI headers jaxlib ships, and cached by content hash under
-``~/.cache/specjax/kernels`` (or next to ``$SPECJAX_CACHE_DIR``). Where that is not possible
+(`$CXX`, else `c++`) against the FFI headers jaxlib ships, and cached under
+``~/.cache/specjax/kernels`` (or next to ``$SPECJAX_CACHE_DIR``) by a hash of the sources,
+flags, jax version and the CPU's model and instruction sets (`runtime.host_key`); each
+library records the instruction sets it uses, checked against the CPU before it is loaded. Where that is not possible
 (no compiler, not a CPU backend, not float32) or ``SPECJAX_CPU_KERNELS=off``, callers use
 XLA's own ops; :func:`available` says which, and why, once.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import json
 import math
 import os
 import shutil
@@ -73,27 +76,62 @@ def _kernel_dir() -> Path:
 
 def _build() -> Path:
     """The compiled library for these sources, compiler flags, jax version and this
-    machine's CPU (built once: -march=native code may not run on another CPU)."""
+    machine's CPU (built once: -march=native code may not run on another CPU). A cached
+    library recorded as using an instruction set this CPU lacks is rebuilt, not loaded
+    (a home folder shared by machines with different CPUs); if the compiler itself targets
+    one (a CPU that reports less than it has), that is an error rather than a SIGILL."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise RuntimeError("no C++ compiler found (set $CXX)")
-    include = jax.ffi.include_dir()
     files = sorted(CSRC.glob("*.h")) + [CSRC / name for name in SOURCES]
     digest = hashlib.sha256(repr((cxx, FLAGS, jax.__version__, runtime.host_key())).encode())
     for f in files:
         digest.update(f.read_bytes())
     lib = _kernel_dir() / f"specjax-kernels-{digest.hexdigest()[:16]}.so"
-    if lib.is_file():
+    if lib.is_file() and not _unsupported(lib):
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
-        proc = subprocess.run([cxx, *FLAGS, f"-I{include}", *(str(CSRC / n) for n in SOURCES), "-o", str(out)],
-                              capture_output=True, text=True)
-        if proc.returncode:
-            raise RuntimeError(f"compiling {CSRC} failed:\n{proc.stderr[-2000:]}")
-        os.replace(out, lib)  # atomic: concurrent builders agree on one file
+        _compile(cxx, out)
+        missing = _unsupported(out)
+        if missing:
+            raise RuntimeError(f"{cxx} {' '.join(FLAGS)} builds code using {', '.join(missing)}, which this "
+                               "CPU does not report having")
+        os.replace(out.with_suffix(".json"), lib.with_suffix(".json"))
+        os.replace(out, lib)  # atomic, and last: concurrent builders agree on one file
     return lib
+
+
+# Instruction sets -march=native may use, as (compiler macro, /proc/cpuinfo flag).
+ISA = {"__SSE4_2__": "sse4_2", "__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c",
+       "__BMI2__": "bmi2", "__AVX512F__": "avx512f", "__AVX512VL__": "avx512vl", "__AVX512BW__": "avx512bw",
+       "__AVX512DQ__": "avx512dq", "__AVX512VNNI__": "avx512_vnni", "__AVX512BF16__": "avx512_bf16",
+       "__ARM_FEATURE_SVE": "sve", "__ARM_FEATURE_SVE2": "sve2", "__ARM_FEATURE_DOTPROD": "asimddp"}
+
+
+def _compile(cxx: str, out: Path) -> None:
+    """The kernels compiled to `out`, with `out`.json recording the instruction sets used
+    (the /proc/cpuinfo names of the compiler's predefined ISA macros under FLAGS)."""
+    sources = [str(CSRC / n) for n in SOURCES]
+    proc = subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *sources, "-o", str(out)],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"compiling {CSRC} failed:\n{proc.stderr[-2000:]}")
+    macros = subprocess.run([cxx, *FLAGS, "-dM", "-E", "-x", "c++", os.devnull], capture_output=True, text=True)
+    defined = {line.split()[1] for line in macros.stdout.splitlines() if line.startswith("#define ")}
+    out.with_suffix(".json").write_text(json.dumps({"isa": sorted(f for m, f in ISA.items() if m in defined)}))
+
+
+def _unsupported(lib: Path) -> list[str]:
+    """The instruction sets the library at `lib` was built to use that this CPU lacks
+    (nothing when the CPU's flags are unknown); a library with no record counts as unsafe."""
+    try:
+        isa = json.loads(lib.with_suffix(".json").read_text())["isa"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ["(no record of its instruction sets)"]
+    host = runtime.cpu_flags()
+    return [flag for flag in isa if host and flag not in host]
 
 
 def available() -> bool:

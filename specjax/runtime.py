@@ -10,15 +10,29 @@ from pathlib import Path
 _enabled = False
 
 
-def _cpuinfo() -> str:
-    """The lines of /proc/cpuinfo that name the CPU and its instruction sets ('' elsewhere)."""
+def _cpuinfo() -> tuple[list[str], frozenset[str]]:
+    """The lines of /proc/cpuinfo that name the CPU, and its instruction-set flags (x86's
+    `flags`, ARM's `Features`); empty where there is no /proc/cpuinfo."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return ""
-    keys = ("model name", "flags", "Features", "CPU implementer", "CPU part")
-    return "\n".join(sorted({line.split(":", 1)[1].strip() for line in text.splitlines()
-                              if ":" in line and line.split(":", 1)[0].strip() in keys}))
+        return [], frozenset()
+    names, flags = set(), set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("flags", "Features"):
+            flags.update(value.split())
+        elif key in ("model name", "CPU implementer", "CPU part"):
+            names.add(value.strip())
+    return sorted(names), frozenset(flags)
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's instruction-set flags as /proc/cpuinfo names them (empty if unknown), or
+    the space-separated ones $SPECJAX_CPU_FLAGS gives (to see what another CPU would get)."""
+    override = os.environ.get("SPECJAX_CPU_FLAGS")
+    return frozenset(override.split()) if override is not None else _cpuinfo()[1]
 
 
 def host_key() -> str:
@@ -26,7 +40,9 @@ def host_key() -> str:
     Anything compiled for the host (the -march=native kernels, XLA:CPU executables) is
     kept under it: a cache folder may be shared by machines with other CPUs, where code
     built for this one would not run."""
-    return hashlib.sha256(f"{platform.machine()}\n{_cpuinfo()}".encode()).hexdigest()[:12]
+    names, _ = _cpuinfo()
+    text = "\n".join([platform.machine(), *names, " ".join(sorted(cpu_flags()))])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def cache_dir() -> Path:

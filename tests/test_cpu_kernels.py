@@ -1,13 +1,15 @@
 """The C++ CPU attention kernel against XLA's attention (an independent formulation), on
 random pools with shuffled page tables; its T-invariance; and the fallback."""
 
+import json
+
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
 
-from specjax import cpu_kernels, kv as kvlib, qwen3
+from specjax import cpu_kernels, kv as kvlib, qwen3, runtime
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler for the CPU kernel")
 
@@ -356,3 +358,40 @@ def test_tree_masks_match_a_brute_force_mask(rng, t):
     xla = _xla(q, k, v, 1, slots, q_pos, jnp.asarray(base, jnp.int32), jnp.asarray(bits))
     np.testing.assert_allclose(np.asarray(xla), np.asarray(want), rtol=1e-4, atol=1e-5)
 
+
+def test_a_library_built_for_other_instruction_sets_is_rebuilt_not_loaded(monkeypatch, tmp_path):
+    """A kernel cache shared by two CPUs: the library is keyed by the CPU's flags, and one
+    recorded as using an instruction set this CPU lacks is rebuilt (here: a stand-in
+    compiler that records what it 'built for')."""
+    monkeypatch.setattr(cpu_kernels, "_kernel_dir", lambda: tmp_path)
+    built = []
+
+    def compile_for(isa):
+        def fake(cxx, out):
+            built.append(isa)
+            out.write_text("lib")
+            out.with_suffix(".json").write_text(json.dumps({"isa": isa}))
+        return fake
+
+    monkeypatch.setenv("SPECJAX_CPU_FLAGS", "sse2 avx avx2 fma")
+    monkeypatch.setattr(cpu_kernels, "_compile", compile_for(["avx", "avx2", "fma"]))
+    lib = cpu_kernels._build()
+    assert built == [["avx", "avx2", "fma"]] and cpu_kernels._build() == lib and len(built) == 1  # cached
+    lib.with_suffix(".json").write_text(json.dumps({"isa": ["avx512f"]}))  # planted by another machine
+    assert cpu_kernels._build() == lib and len(built) == 2  # rebuilt
+    lib.with_suffix(".json").unlink()  # no record: not trusted either
+    assert cpu_kernels._build() == lib and len(built) == 3
+    monkeypatch.setenv("SPECJAX_CPU_FLAGS", "sse2 avx avx2 fma avx512f")
+    other = cpu_kernels._build()
+    assert other != lib and len(built) == 4  # another CPU: another key
+    monkeypatch.setenv("SPECJAX_CPU_FLAGS", "sse2")  # the compiler targets more than the CPU says it has
+    with pytest.raises(RuntimeError, match="avx, avx2, fma"):
+        cpu_kernels._build()
+
+
+def test_the_real_build_records_what_the_compiler_targets():
+    lib = cpu_kernels._build()  # already built by the module's first kernel call
+    isa = json.loads(lib.with_suffix(".json").read_text())["isa"]
+    assert set(isa) <= runtime.cpu_flags()
+    if runtime.platform.machine() == "x86_64":
+        assert {"sse4_2"} <= set(isa)  # any x86-64 CPU this decade; -march=native must say so

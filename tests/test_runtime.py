@@ -17,3 +17,10 @@ def test_host_key_follows_the_cpu_model_and_its_instruction_sets(monkeypatch, tm
         seen[name] = runtime.host_key()
     assert len({seen["avx512"], seen["avx2"], seen["epyc"]}) == 3
     assert seen["two cores"] == seen["avx2"]  # per-core repeats do not change it
+
+
+def test_cpu_flags_override_changes_the_key(monkeypatch):
+    real = runtime.host_key()
+    monkeypatch.setenv("SPECJAX_CPU_FLAGS", "fpu sse2")
+    assert runtime.cpu_flags() == {"fpu", "sse2"}
+    assert runtime.host_key() != real
