@@ -1,5 +1,6 @@
 """Full-sequence logits of specjax's Qwen3 against transformers on random tiny configs."""
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -45,7 +46,8 @@ def test_blocked_causal_attention_is_causal_softmax_attention(rng, block):
     b, t, h, kh, e = 2, 37, 6, 2, 8
     q = rng.standard_normal((b, t, h, e)).astype(np.float32)
     k, v = rng.standard_normal((2, b, kh, t, e)).astype(np.float32)
-    got = np.asarray(qwen3.attend_causal(q, k, v, np.broadcast_to(np.arange(t), (b, t)), block))
+    causal = jax.jit(qwen3.attend_causal, static_argnums=4)  # eager, block 1 compiled each of 37 shapes
+    got = np.asarray(causal(q, k, v, np.broadcast_to(np.arange(t), (b, t)), block))
     kq = np.repeat(k, h // kh, axis=1).astype(np.float64)  # query head i reads kv head i // 3
     vq = np.repeat(v, h // kh, axis=1).astype(np.float64)
     scores = np.einsum("bthe,bhse->bhts", q, kq) / np.sqrt(e)

@@ -66,9 +66,6 @@ CHILD = textwrap.dedent("""
                 "dflash-on-mesh": specjax.generate(sm, ids, max_new_tokens=20,
                                                    speculative=DFlashProposer(placed_drafter, k=3)).tokens}
         sampling = specjax.Sampling(temperature=0.9, top_k=20)
-        sampled = specjax.generate(sm, ids, max_new_tokens=20, sampling=sampling, seed=3).tokens
-        sampled_spec = specjax.generate(sm, ids, max_new_tokens=20, sampling=sampling, seed=3,
-                                        speculative=NgramProposer(k=4)).tokens
         prompts = [ids, ids[:10], ids[5:]]
         batch = specjax.generate(sm, prompts, max_new_tokens=[20, 12, 16], sampling=[specjax.Sampling(), sampling,
                                  specjax.Sampling()], seed=[0, 3, 0], speculative=specjax.Adaptive(specjax.NgramProposer(k=4)))
@@ -78,8 +75,7 @@ CHILD = textwrap.dedent("""
         assert alone[0] == plain
         out["generated"] = {"batch": [list(map(int, r.tokens)) for r in batch],
                             "alone": [list(map(int, a)) for a in alone], "plain": list(map(int, plain)),
-                            "spec": {k: list(map(int, v)) for k, v in runs.items()},
-                            "sampled": list(map(int, sampled)), "sampled_spec": list(map(int, sampled_spec))}
+                            "spec": {k: list(map(int, v)) for k, v in runs.items()}}
     try:
         specjax.shard(model, sharding.make_mesh(jax.devices()[:3]))
         out["three"] = "no error"
@@ -139,18 +135,17 @@ def test_sharded_logits_match_unsharded(sharded):
 
 def test_speculation_is_exact_on_a_sharded_target(sharded):
     """Within one placement (2 devices): greedy speculative == plain for n-gram and DFlash
-    drafts, and sampled n-gram speculation == plain sampling with the same seed."""
+    drafts (sampled lookup speculation: the engine test below, its second row)."""
     seed, out = sharded
     run = out["generated"]
     assert len(run["plain"]) == 20
     for name, tokens in run["spec"].items():
         assert tokens == run["plain"], (seed, name)
-    assert run["sampled_spec"] == run["sampled"], seed
 
 
 def test_engine_rows_equal_alone_on_a_sharded_target(sharded):
     """The batched engine on a tensor-parallel target: each row (greedy and sampled, with
-    lookup drafts) equals its prompt generated alone on the same placement."""
+    lookup drafts) equals its prompt generated alone, without drafts, on the same placement."""
     seed, out = sharded
     run = out["generated"]
     assert run["batch"] == run["alone"], seed
