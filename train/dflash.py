@@ -296,18 +296,19 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     ckpts = lm.Checkpoints(run_dir)
     step = ckpts.latest_step() or 0
     record = {"best_tau": None, "drafter": cfg.to_hf()}
-    fresh = functools.partial(initial_state, cfg, tc)
-    if step == 0:
-        state = state_from_drafter(init, cfg, tc, target) if init else jax.jit(fresh)()
-    else:
-        state, record = ckpts.restore(jax.eval_shape(fresh))
-        if record["drafter"] != cfg.to_hf():
-            raise ValueError(f"{run_dir}: checkpoint is of another drafter config; use a fresh --run folder")
-        print(f"resumed from {run_dir} at step {step}")
     mesh = mesh or data_mesh(1)
     if tc.batch % mesh.size:
         raise dflash.DFlashError(f"--batch {tc.batch} is not a multiple of --devices {mesh.size}")
     replicated, by_row = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "data"))
+    fresh = functools.partial(initial_state, cfg, tc)
+    if step == 0:
+        state = state_from_drafter(init, cfg, tc, target) if init else jax.jit(fresh)()
+    else:  # restored straight onto the mesh, replicated like a fresh state
+        state, record = ckpts.restore(jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), jax.eval_shape(fresh)))
+        if record["drafter"] != cfg.to_hf():
+            raise ValueError(f"{run_dir}: checkpoint is of another drafter config; use a fresh --run folder")
+        print(f"resumed from {run_dir} at step {step}")
     params, opt_state = jax.device_put((state["params"], state["opt_state"]), replicated)
     target_params = (target.params if mesh.size == 1 else
                      jax.device_put(cpu_kernels.unpack_tree(target.params), replicated))
