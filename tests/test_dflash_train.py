@@ -262,6 +262,38 @@ def test_kill_and_resume_continues_identically(cyclic, data, tmp_path, monkeypat
         assert [r["step"] for r in rows] == [2, 4, 6] and all("train_loss" in r for r in rows)
 
 
+def test_bfloat16_compute_keeps_float32_master_state(cyclic, data, tmp_path):
+    """--precision bfloat16: the losses of the same steps are the float32 run's within bf16
+    rounding (and not equal to them: the forward did run in bf16), while the weights it
+    updates and the AdamW moments stay float32."""
+    target, _ = cyclic
+    cfg = _cfg(target)
+    tc = trainer.DFlashTrainConfig(steps=2, batch=2, anchors=4, lr=1e-2, log_every=1, save_every_minutes=100)
+    out, losses = {}, {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        name = jnp.dtype(dtype).name
+        out[name] = trainer.train(target, cfg, tc, data, tmp_path / name, compute=dtype)
+        losses[name] = np.array([json.loads(line)["train_loss"]
+                                 for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()])
+    rel = np.abs(losses["bfloat16"] / losses["float32"] - 1)
+    assert len(rel) == 2 and (rel > 0).all() and (rel < 2e-2).all(), (losses, rel)
+    floats = [x for x in jax.tree.leaves((out["bfloat16"]["params"], out["bfloat16"]["opt_state"]))
+              if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and all(x.dtype == jnp.float32 for x in floats)
+    start = trainer.initial_state(cfg, tc)["params"]  # warmup: step 0 has lr 0, step 1 moves the weights
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(out["bfloat16"]["params"]),
+                                                         jax.tree.leaves(start)))
+
+
+def test_precision_auto_is_bfloat16_off_cpu():
+    assert trainer.compute_dtype("auto", "cpu") == jnp.float32
+    assert trainer.compute_dtype("auto", "gpu") == trainer.compute_dtype("auto", "tpu") == jnp.bfloat16
+    assert trainer.compute_dtype("bfloat16", "cpu") == jnp.bfloat16
+    assert trainer.compute_dtype("float32", "tpu") == jnp.float32
+    with pytest.raises(ValueError, match="expected one of auto, float32, bfloat16"):
+        trainer.compute_dtype("float16", "gpu")
+
+
 def test_init_starts_from_a_saved_drafter(cyclic, data, tmp_path):
     """--init: a fresh run's step-0 weights are the saved drafter's (stacked for training);
     a drafter of another shape is refused."""

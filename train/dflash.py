@@ -16,6 +16,8 @@ The DFlash paper's recipe (arXiv:2602.06036), sized by flags:
    cosine and clipping 1.0 (``train.lm.make_optimizer``). With ``--accum K`` a step is
    K micro-batches of ``batch`` sequences (the gradient of all of them), and each
    micro-batch is split over ``--devices`` local devices (:func:`data_mesh`). The
+   forward runs in bfloat16 on accelerators and float32 on CPU (``--precision``,
+   :func:`compute_dtype`); weights, gradients and AdamW state are float32 always. The
    progress bar shows loss, train tau, tokens/s and the time left.
 3. Every ``eval_every`` steps (and at step 0) real DFlash speculative generation on
    held-out prompts (the user's, or edit and completion prompts of
@@ -143,7 +145,9 @@ def loss_sums(params: Params, cfg: DFlashConfig, target_params: Params, target_c
 def block_sums(logits: jax.Array, labels: jax.Array, weights: jax.Array, valid: jax.Array) -> jax.Array:
     """[4]: sum of weighted cross-entropies, sum of weights, sum of leading right argmax
     predictions per valid block, valid blocks; of block logits [..., N, B-1, V], labels
-    and weights [..., N, B-1] and valid blocks [..., N]."""
+    and weights [..., N, B-1] and valid blocks [..., N]. The softmax is taken in float32
+    whatever the logits' dtype (bf16 logits of a bf16 forward)."""
+    logits = logits.astype(jnp.float32)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     right = (jnp.argmax(logits, axis=-1) == labels) & (weights > 0)
     run = jnp.cumprod(right, axis=-1).sum(axis=-1)  # [..., N] leading right predictions
@@ -162,11 +166,36 @@ def block_loss(logits: jax.Array, labels: jax.Array, weights: jax.Array, valid: 
     return loss_and_tau(block_sums(logits, labels, weights, valid))
 
 
+PRECISIONS = ("auto", "float32", "bfloat16")
+
+
+def compute_dtype(precision: str, platform: str) -> np.dtype:
+    """The dtype of the training forward for ``--precision`` on devices of `platform`
+    ("cpu", "gpu", "tpu", ...): "auto" is bfloat16 on accelerators, whose matrix units
+    run it several times faster than float32, and float32 on CPU, where bf16 buys no
+    speed. Master weights and optimizer state are float32 either way."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    if precision == "auto":
+        precision = "float32" if platform == "cpu" else "bfloat16"
+    return jnp.dtype(precision)
+
+
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    """`tree` with its floating-point leaves in `dtype` (integer leaves as they are)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
 @functools.cache
-def make_train_step(cfg: DFlashConfig, target_cfg: Qwen3Config, tc: DFlashTrainConfig) -> Callable:
+def make_train_step(cfg: DFlashConfig, target_cfg: Qwen3Config, tc: DFlashTrainConfig,
+                    compute: np.dtype = np.dtype(np.float32)) -> Callable:
     """Jitted ``(params, opt_state, target_params, batch) -> (params, opt_state, loss, tau)``
     over a batch of ``tc.accum`` micro-batches (leaves [accum, batch, ...], :func:`batch_at`);
     donates the drafter state; the target's params are only read.
+
+    The forward runs in `compute` (:func:`compute_dtype`): the float32 master params are
+    cast to it inside the differentiated function, so their gradients, the accumulated sums
+    and the AdamW update stay float32; `target_params` are expected in `compute` already.
 
     Each micro-batch adds the gradient of its weighted cross-entropy sum; the total is
     divided by the weight of all of them, so a step is exactly one over the whole batch
@@ -176,7 +205,7 @@ def make_train_step(cfg: DFlashConfig, target_cfg: Qwen3Config, tc: DFlashTrainC
     gamma = tc.gamma or default_gamma(cfg.block_size)
 
     def weighted_ce(params, target_params, batch):  # (the sum to differentiate, block_sums)
-        sums = loss_sums(params, cfg, target_params, target_cfg, gamma, batch)
+        sums = loss_sums(cast_floats(params, compute), cfg, target_params, target_cfg, gamma, batch)
         return sums[0], sums
 
     def micro(params, target_params, carry, batch):
@@ -277,13 +306,15 @@ def heldout_prompts(tokenizer: Any, n: int, prompt_len: int) -> list[tuple[str, 
 
 def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data: Sequences, run_dir: Path,
           out_dir: Path | None = None, eval_prompts: Sequence[tuple[str, Sequence[int]]] = (),
-          init: Path | None = None, mesh: Mesh | None = None) -> dict:
+          init: Path | None = None, mesh: Mesh | None = None, compute: Any = jnp.float32) -> dict:
     """Train (or resume) a drafter until ``tc.steps``; returns {"params", "opt_state", "step"}.
 
     A fresh run starts from random weights, or from the drafter folder `init`. Over a
     `mesh` (:func:`data_mesh`; default one device) the drafter, its optimizer state and the
     frozen target are replicated and each micro-batch is split along its rows (data
     parallel; the target from unpacked weights, which XLA partitions like any dot).
+    The loss is computed in `compute` (:func:`compute_dtype`; the target cast to it once),
+    the params and optimizer state stay float32.
 
     metrics.jsonl gets a row of mean training loss and train tau every ``tc.log_every``
     steps, and with `eval_prompts` a row of evaluate_tau() at step 0 of a fresh run and
@@ -292,7 +323,8 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     dflash.check_fits(cfg, target.config, "train.dflash")
-    train_step = make_train_step(cfg, target.config, tc)
+    compute = jnp.dtype(compute)
+    train_step = make_train_step(cfg, target.config, tc, compute)
     ckpts = lm.Checkpoints(run_dir)
     step = ckpts.latest_step() or 0
     record = {"best_tau": None, "drafter": cfg.to_hf()}
@@ -310,12 +342,17 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
             raise ValueError(f"{run_dir}: checkpoint is of another drafter config; use a fresh --run folder")
         print(f"resumed from {run_dir} at step {step}")
     params, opt_state = jax.device_put((state["params"], state["opt_state"]), replicated)
-    target_params = (target.params if mesh.size == 1 else
-                     jax.device_put(cpu_kernels.unpack_tree(target.params), replicated))
+    target_params = target.params
+    if mesh.size > 1 or compute != jnp.float32:  # plain arrays, which XLA partitions and casts
+        target_params = cpu_kernels.unpack_tree(target_params)
+        if compute != jnp.float32:
+            target_params = cast_floats(target_params, compute)
+        target_params = jax.device_put(target_params, replicated)
     tokens_per_step = tc.batch * tc.accum * data.tokens.shape[1]
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"drafter: {n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, block {cfg.block_size}; "
-          f"{len(data.tokens)} sequences of {data.tokens.shape[1]}; {tc.steps} steps of {tokens_per_step} tokens")
+          f"{len(data.tokens)} sequences of {data.tokens.shape[1]}; {tc.steps} steps of {tokens_per_step} tokens; "
+          f"{compute} compute")
     window: list[tuple[float, float]] = []  # (loss, train tau) of the steps since the last log row
 
     def advance(step: int) -> dict:
@@ -443,6 +480,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="corpus mode: held-out prompts per workload (edit, complete)")
     p.add_argument("--eval-prompt-len", type=int, default=300)
     p.add_argument("--devices", type=int, help="local devices to split each batch over (default: all)")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="dtype of the training forward (auto: bfloat16 on accelerators, float32 on CPU); "
+                        "weights and optimizer state stay float32")
     lm.add_config_flags(p, DataConfig)
     p.set_defaults(**dict.fromkeys(SAMPLING_FLAGS))  # not given: the target's generation_config.json
     lm.add_config_flags(p, DFlashTrainConfig)
@@ -458,6 +498,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     mesh = data_mesh(args.devices or jax.local_device_count())
     if tc.batch % mesh.size:
         p.error(f"--batch {tc.batch} is not a multiple of --devices {mesh.size}")
+    compute = compute_dtype(args.precision, mesh.devices.flat[0].platform)
     cfg = dflash.config_for(target.config, args.layers, args.block_size, args.target_layer_ids, mask)
     run = args.run or Path("runs") / args.out.name
     data_dir = args.data or run / "data"
@@ -474,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("interrupted: finished shards are kept; rerun to continue")
         return
-    train(target, cfg, tc, data, run, args.out, eval_prompts, args.init, mesh)
+    train(target, cfg, tc, data, run, args.out, eval_prompts, args.init, mesh, compute)
 
 
 if __name__ == "__main__":
