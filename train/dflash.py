@@ -31,6 +31,13 @@ and added ones included) as a new ``<|MASK|>``, which must be one of the embeddi
 rows (z-lab's Qwen3 drafters: 151669); ``--mask-token-id`` overrides. The drafter's
 config.json records it (``dflash_config.mask_token_id``).
 
+Many hosts: ``--coordinator HOST:PORT --num-processes N --process-id I`` on every host
+(:func:`init_distributed`, i.e. ``jax.distributed.initialize``) makes the mesh span every
+process's devices; each process feeds its rows of each global batch, process 0 alone
+generates the training data (sent to the others, :func:`share_data`), evaluates, exports,
+writes metrics.jsonl and shows the bar; ``--run`` must be a folder every host sees (orbax
+writes one checkpoint from all of them).
+
 Resume: orbax checkpoints in ``<run>/orbax`` (``train.lm.Checkpoints``), saved every
 ``save_every_minutes``, on Ctrl-C / ``kill`` and at the end; the batch of step s is a
 pure function of (seed, s), so a resumed run continues exactly as an uninterrupted one.
@@ -51,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
@@ -235,7 +243,8 @@ def state_from_drafter(folder: Path, cfg: DFlashConfig, tc: DFlashTrainConfig, t
     if saved.config != cfg:
         raise ValueError(f"{folder}: --init drafter differs from the one asked for: {saved.config} vs {cfg}")
     params = checkpoint.stack(saved.params, dflash.DRAFT_LAYERS)
-    print(f"initialised from {folder}")
+    if jax.process_index() == 0:
+        print(f"initialised from {folder}")
     return {"params": params, "opt_state": lm.make_optimizer(tc).init(params)}
 
 
@@ -325,6 +334,7 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     dflash.check_fits(cfg, target.config, "train.dflash")
     compute = jnp.dtype(compute)
     train_step = make_train_step(cfg, target.config, tc, compute)
+    lead = jax.process_index() == 0  # the one process that prints, evaluates and writes files
     ckpts = lm.Checkpoints(run_dir)
     step = ckpts.latest_step() or 0
     record = {"best_tau": None, "drafter": cfg.to_hf()}
@@ -334,33 +344,35 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     replicated, by_row = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "data"))
     fresh = functools.partial(initial_state, cfg, tc)
     if step == 0:
-        state = state_from_drafter(init, cfg, tc, target) if init else jax.jit(fresh)()
+        state = state_from_drafter(init, cfg, tc, target) if init else jax.jit(fresh, out_shardings=replicated)()
     else:  # restored straight onto the mesh, replicated like a fresh state
         state, record = ckpts.restore(jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), jax.eval_shape(fresh)))
         if record["drafter"] != cfg.to_hf():
             raise ValueError(f"{run_dir}: checkpoint is of another drafter config; use a fresh --run folder")
-        print(f"resumed from {run_dir} at step {step}")
-    params, opt_state = jax.device_put((state["params"], state["opt_state"]), replicated)
+        if lead:
+            print(f"resumed from {run_dir} at step {step}")
+    params, opt_state = global_put((state["params"], state["opt_state"]), replicated)
     target_params = target.params
     if mesh.size > 1 or compute != jnp.float32:  # plain arrays, which XLA partitions and casts
         target_params = cpu_kernels.unpack_tree(target_params)
         if compute != jnp.float32:
             target_params = cast_floats(target_params, compute)
-        target_params = jax.device_put(target_params, replicated)
+        target_params = global_put(target_params, replicated)
     tokens_per_step = tc.batch * tc.accum * data.tokens.shape[1]
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    print(f"drafter: {n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, block {cfg.block_size}; "
-          f"{len(data.tokens)} sequences of {data.tokens.shape[1]}; {tc.steps} steps of {tokens_per_step} tokens; "
-          f"{compute} compute")
+    if lead:
+        print(f"drafter: {n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, block {cfg.block_size}; "
+              f"{len(data.tokens)} sequences of {data.tokens.shape[1]}; {tc.steps} steps of {tokens_per_step} "
+              f"tokens; {compute} compute; {mesh.size} devices in {jax.process_count()} process(es)")
     window: list[tuple[float, float]] = []  # (loss, train tau) of the steps since the last log row
 
     def advance(step: int) -> dict:
         nonlocal params, opt_state
-        batch = jax.device_put(batch_at(data, tc, step), by_row)
+        batch = global_put(batch_at(data, tc, step), by_row)
         params, opt_state, loss, tau = train_step(params, opt_state, target_params, batch)
         window.append((float(loss), float(tau)))
-        if (step + 1) % tc.log_every == 0 or step + 1 == tc.steps:
+        if lead and ((step + 1) % tc.log_every == 0 or step + 1 == tc.steps):
             loss_mean, tau_mean = np.mean(window, axis=0)
             lm.append_metrics(run_dir, {"step": step + 1, "tokens": (step + 1) * tokens_per_step, "time": time.time(),
                                         "train_loss": float(loss_mean), "train_tau": float(tau_mean)})
@@ -368,9 +380,10 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
         return {"loss": loss, "train_tau": tau}
 
     def evaluate(step: int) -> None:
-        if not eval_prompts:
+        if not (lead and eval_prompts):
             return
-        drafter = dflash.Drafter(jax.device_put(params, jax.local_devices()[0]), cfg, jnp.float32)  # the target's
+        local = jax.tree.map(lambda x: x.addressable_shards[0].data, params)  # replicated: any local copy
+        drafter = dflash.Drafter(local, cfg, jnp.float32)  # the target's
         row = {"step": step, "tokens": step * tokens_per_step, "time": time.time(),
                **evaluate_tau(target, drafter, eval_prompts, tc.eval_tokens)}
         if record["best_tau"] is None or row["tau"] > record["best_tau"]:
@@ -388,18 +401,56 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     try:
         if step == 0:
             evaluate(0)
-        step = lm.run_steps(tc, step, advance, evaluate, save, tokens_per_step)
+        step = lm.run_steps(tc, step, advance, evaluate, save, tokens_per_step, show=lead)
     finally:
         ckpts.close()
     return {"params": params, "opt_state": opt_state, "step": step}
 
 
-def data_mesh(devices: int) -> Mesh:
-    """A one-axis mesh ("data") over the first `devices` local devices."""
+def data_mesh(devices: int | None = None) -> Mesh:
+    """A one-axis mesh ("data") over the first `devices` local devices (default: all);
+    in a multi-process run (:func:`init_distributed`) over every process's devices, which
+    `devices` must then count if given."""
+    if jax.process_count() > 1:
+        if devices not in (None, jax.device_count()):
+            raise dflash.DFlashError(f"--devices {devices}: a run of {jax.process_count()} processes uses all "
+                                     f"{jax.device_count()} devices")
+        return Mesh(np.array(jax.devices()), ("data",))
     local = jax.local_devices()
+    devices = devices or len(local)
     if not 1 <= devices <= len(local):
         raise dflash.DFlashError(f"--devices {devices}: this process has {len(local)} local device(s)")
     return Mesh(np.array(local[:devices]), ("data",))
+
+
+def global_put(tree: Any, sharding: NamedSharding) -> Any:
+    """`tree` (host or local arrays, the same value in every process) as global arrays of
+    `sharding`: each process places only the slices its own devices hold, so this also
+    serves a mesh across processes (where ``jax.device_put`` cannot reach other hosts'
+    devices); a batch's rows land on the devices that own them."""
+    def put(x: Any) -> jax.Array:
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return jax.tree.map(put, tree)
+
+
+def init_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """``jax.distributed.initialize`` for a run over several processes (one per host):
+    `coordinator` is process 0's HOST:PORT, reachable from every host. Must come before
+    anything touches a device. Without all three, JAX's cluster auto-detection fills the
+    rest (Cloud TPU, SLURM, ...). On CPU the collectives are gloo's (JAX's default)."""
+    jax.distributed.initialize(coordinator, num_processes, process_id)
+
+
+def share_data(data: Sequences | None) -> Sequences:
+    """Process 0's `data` in every process (the others pass None): a broadcast over the
+    processes' devices, so no host needs the data folder but process 0's."""
+    lead = jax.process_index() == 0
+    shape = multihost_utils.broadcast_one_to_all(np.array(data.tokens.shape if lead else (0, 0), np.int64))
+    n, s = (int(v) for v in shape)
+    empty = Sequences(np.zeros((n, s), np.int32), np.zeros(n, np.int32), np.zeros(n, np.int32))
+    got = multihost_utils.broadcast_one_to_all(dataclasses.astuple(data if lead else empty))
+    return Sequences(*(np.asarray(x, np.int32) for x in got))
 
 
 def mask_token_id(tokenizer: Any, embedding_rows: int, given: int | None = None) -> int:
@@ -479,7 +530,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--eval-prompts", type=int, default=4,
                    help="corpus mode: held-out prompts per workload (edit, complete)")
     p.add_argument("--eval-prompt-len", type=int, default=300)
-    p.add_argument("--devices", type=int, help="local devices to split each batch over (default: all)")
+    p.add_argument("--devices", type=int, help="local devices to split each batch over (default: all; "
+                   "a multi-process run uses every process's devices)")
+    hosts = p.add_argument_group("many hosts (jax.distributed.initialize; the same flags on every host)")
+    hosts.add_argument("--coordinator", help="HOST:PORT of process 0, reachable from every host")
+    hosts.add_argument("--num-processes", type=int, help="processes in the run (one per host)")
+    hosts.add_argument("--process-id", type=int, help="this process's index, 0 .. N-1 (0 writes the files)")
     p.add_argument("--precision", choices=PRECISIONS, default="auto",
                    help="dtype of the training forward (auto: bfloat16 on accelerators, float32 on CPU); "
                         "weights and optimizer state stay float32")
@@ -487,6 +543,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.set_defaults(**dict.fromkeys(SAMPLING_FLAGS))  # not given: the target's generation_config.json
     lm.add_config_flags(p, DFlashTrainConfig)
     args = p.parse_args(argv)
+    if args.coordinator or args.num_processes or args.process_id is not None:
+        init_distributed(args.coordinator, args.num_processes, args.process_id)  # before any device is touched
     signal.signal(signal.SIGTERM, lm._interrupt)  # `kill` saves like Ctrl-C
     target = specjax.load(args.target)
     tok = target.tokenizer
@@ -495,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     _sampling_flags(args, target)
     dc, tc = lm.config_from_args(args, DataConfig), lm.config_from_args(args, DFlashTrainConfig)
     mask = mask_token_id(tok, target.config.vocab_size, args.mask_token_id)
-    mesh = data_mesh(args.devices or jax.local_device_count())
+    mesh = data_mesh(args.devices)
     if tc.batch % mesh.size:
         p.error(f"--batch {tc.batch} is not a multiple of --devices {mesh.size}")
     compute = compute_dtype(args.precision, mesh.devices.flat[0].platform)
@@ -503,7 +561,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     run = args.run or Path("runs") / args.out.name
     data_dir = args.data or run / "data"
     try:
-        if args.prompt_file or args.prompt_dir:
+        if jax.process_index() > 0:  # process 0 generates the data and evaluates
+            data, eval_prompts = share_data(None), []
+        elif args.prompt_file or args.prompt_dir:
             data, eval_prompts = _user_data(args, target, dc, data_dir)
         else:
             shard = (args.shards or Path("runs/data")) / "train.npy"
@@ -512,6 +572,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "or give your own prompts with --prompt-file / --prompt-dir)")
             data = generate_data(target, dc, data_dir, load_shard(shard) if shard.is_file() else None)
             eval_prompts = heldout_prompts(tok, args.eval_prompts, args.eval_prompt_len)
+        if jax.process_index() == 0 and jax.process_count() > 1:
+            data = share_data(data)
     except KeyboardInterrupt:
         print("interrupted: finished shards are kept; rerun to continue")
         return

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from specjax import checkpoint, qwen3
@@ -262,16 +263,18 @@ def append_metrics(directory: Path, row: dict) -> None:
 
 
 def run_steps(tc: Any, step: int, advance: Callable[[int], dict], evaluate: Callable[[int], None],
-              save: Callable[[int], None], tokens_per_step: int) -> int:
+              save: Callable[[int], None], tokens_per_step: int, show: bool = True) -> int:
     """Drive a training loop from ``step`` to ``tc.steps``; returns the last step done.
 
     ``advance(s)`` runs step s and returns its metrics ({"loss": ...} at least, shown on a
     tqdm bar over tokens); ``evaluate(s)`` runs every ``tc.eval_every`` steps and at the
     end; ``save(s)`` every ``tc.save_every_minutes`` (0: every step), at the end and on
     Ctrl-C or SIGTERM (see :func:`_interrupt`). A non-finite loss raises without saving.
+    In a multi-process run every process saves together (orbax's saves are collective), when
+    process 0's clock says so; stop all processes alike (SIGTERM to each). `show`: the bar.
     """
     bar = tqdm(total=tc.steps * tokens_per_step, initial=step * tokens_per_step, unit="tok",
-               unit_scale=True, mininterval=1 if sys.stderr.isatty() else 60)
+               unit_scale=True, mininterval=1 if sys.stderr.isatty() else 60, disable=not show)
     last_save = time.monotonic()
     try:
         while step < tc.steps:
@@ -283,7 +286,10 @@ def run_steps(tc: Any, step: int, advance: Callable[[int], dict], evaluate: Call
             bar.set_postfix(step=step, **{k: f"{v:.3f}" for k, v in metrics.items()}, refresh=False)
             if step % tc.eval_every == 0 or step == tc.steps:
                 evaluate(step)
-            if time.monotonic() - last_save >= tc.save_every_minutes * 60:
+            due = time.monotonic() - last_save >= tc.save_every_minutes * 60
+            if jax.process_count() > 1:
+                due = bool(multihost_utils.broadcast_one_to_all(np.array(due)))
+            if due:
                 save(step)
                 last_save = time.monotonic()
         save(step)
