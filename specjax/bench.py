@@ -47,7 +47,7 @@ class BenchConfig:
     dflash_ks: tuple[int, ...] = (4, 7, 15)
     profile_ts: tuple[int, ...] = tuple(range(1, 17))
     hf: bool = True
-    s_profile: bool = True  # also time the S config's steps, bf16 and f32 matrices (CPU; ~2 min)
+    s_profile: bool = True  # also time the S config's steps, bf16 / f32 / int8 matrices (CPU; ~3 min)
     out: Path = Path("bench-results")
 
     @classmethod
@@ -166,22 +166,25 @@ QWEN3_4B_SHAPE = dict(vocab_size=151936, hidden_size=2560, intermediate_size=972
 
 
 # The S config's step profiles on CPU: (results key, matrix storage).
-PROFILES = (("s_profile", "bfloat16"), ("s_profile_f32", "float32"))
+PROFILES = (("s_profile", "bfloat16"), ("s_profile_f32", "float32"), ("s_profile_int8", "int8"))
 PROFILE_NAMES = {"s_profile": "the S config (random weights, bf16 matrices)",
-                 "s_profile_f32": "the S config (random weights, f32)"}
+                 "s_profile_f32": "the S config (random weights, f32)",
+                 "s_profile_int8": "the S config (random weights, int8 matrices)"}
 
 
 def random_model(shape: dict, dtype: str, stored: str | None = None) -> Model:
     """A random-weight model of a given shape computing in `dtype`, for step timings only;
-    its matrices stored in `stored` (default `dtype`; bfloat16 for float32 compute: the CPU
-    kernels' 16-bit weights, as `load` keeps a bf16 checkpoint)."""
+    its matrices stored in `stored` (default `dtype`; for float32 compute on CPU, bfloat16
+    as `load` keeps a bf16 checkpoint, or "int8" as `load(dtype="int8")` quantizes)."""
     import jax
     from . import checkpoint, cpu_kernels
     from .config import Qwen3Config
 
     cfg = Qwen3Config(**shape)
     params = checkpoint.unstack(checkpoint.init_params(cfg, jax.random.key(0), dtype=dtype))
-    if stored is not None:
+    if stored == "int8":
+        params = cpu_kernels.quantize_tree(params)
+    elif stored is not None:
         params = jax.tree.map(lambda w: w.astype(stored) if w.ndim == 2 else w, params)
     if jax.numpy.dtype(dtype) == jax.numpy.float32:
         params = cpu_kernels.pack_tree(params)

@@ -284,14 +284,22 @@ def packed(_: str, value: Any) -> Any:
     return cpu_kernels.pack_tree(value)
 
 
-def loading(dtype: Any, requested: bool) -> tuple[Transform | None, bool]:
-    """How a checkpoint is read onto a single device for compute in `dtype` (`requested`:
-    the caller named it): the transform for each tensor and whether 16-bit matrices stay
-    in 16 bits. They do for float32 compute where the CPU kernels run, unless float32
-    was asked for."""
-    if jnp.dtype(dtype) != jnp.float32:
-        return None, False
-    return packed, not requested and cpu_kernels.runs()
+def quantized(_: str, value: Any) -> Any:
+    """The loading transform for int8 weights: matrices quantized (`cpu_kernels.quantize_tree`)."""
+    return cpu_kernels.quantize_tree(value)
+
+
+def loading(dtype: Any, requested: bool) -> tuple[Any, Transform | None, bool]:
+    """How a checkpoint is read onto a single device for `dtype` (`requested`: the caller
+    named it): the compute dtype, the transform for each tensor, and whether 16-bit
+    matrices stay in 16 bits. They do for float32 compute where the CPU kernels run,
+    unless float32 was asked for. "int8" computes in float32 with int8 matrices."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.int8:
+        return jnp.dtype(jnp.float32), quantized, False
+    if dtype != jnp.float32:
+        return dtype, None, False
+    return dtype, packed, not requested and cpu_kernels.runs()
 
 
 def load_params(folder: str | Path, cfg: Qwen3Config, dtype: Any, transform: Transform | None = None,

@@ -51,7 +51,7 @@ from . import runtime
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_attention.cc", "matmul.cc", "kv_write.cc")
 TARGETS = {"specjax_paged_attention": "SpecjaxPagedAttention", "specjax_matmul": "SpecjaxMatmul",
-           "specjax_kv_write": "SpecjaxKvWrite"}
+           "specjax_matmul_q8": "SpecjaxMatmulQ8", "specjax_kv_write": "SpecjaxKvWrite"}
 # -ffp-contract=off: whether a multiply-add is fused was decided per template instance,
 # which made a row's result depend on how many rows shared the call.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -64,6 +64,8 @@ MAX_ROWS = 64
 PANEL = 16
 # What the matmul kernel reads a weight's panels as; it computes in float32 either way.
 PANEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Input columns per scale of an int8 weight (`quantize`; llama.cpp's q8_0 block).
+Q8_BLOCK = 32
 
 _state: dict[str, object] = {}
 
@@ -242,10 +244,14 @@ class Packed:
     [ceil(N/16), D, 16] in float32, bfloat16 or float16: output n is panels[n // 16, :,
     n % 16], the last panel zero-padded. `pack_tree` makes them at load where the kernel
     runs; `unpack_tree` gives the HF layout back. Whatever the panels hold, the weight's
-    values are float32 (`dtype`): what `matmul` computes with, `rows` and `unpack` return."""
+    values are float32 (`dtype`): what `matmul` computes with, `rows` and `unpack` return.
+
+    An int8 weight (`quantize`) has int8 panels and `scales` [ceil(N/16), ceil(D/32), 16]:
+    its value at (n, k) is float32(q) * scale of (n, k // 32), rounded to float32."""
 
     panels: jax.Array
     n: int = dataclasses.field(metadata={"static": True})
+    scales: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -262,21 +268,48 @@ class Packed:
 
     @property
     def nbytes(self) -> int:
-        return self.panels.nbytes
+        return self.panels.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     def unpack(self) -> jax.Array:
         *batch, p, d, _ = self.panels.shape  # batch: e.g. per-example gradients under vmap
-        w = jnp.swapaxes(self.panels, -1, -2).reshape(*batch, p * PANEL, d)[..., :self.n, :]
-        return w.astype(self.dtype)
+        values = self.panels.astype(self.dtype)
+        if self.scales is not None:
+            values = values * jnp.repeat(self.scales, Q8_BLOCK, axis=-2)[..., :d, :]
+        return jnp.swapaxes(values, -1, -2).reshape(*batch, p * PANEL, d)[..., :self.n, :]
+
+
+def _panels(rows: jax.Array) -> jax.Array:
+    """[N, C] as [ceil(N/16), C, 16]: row n at [n // 16, :, n % 16], zero-padded."""
+    n, c = rows.shape
+    padded = jnp.pad(jnp.asarray(rows), ((0, -n % PANEL), (0, 0)))
+    return jnp.swapaxes(padded.reshape(-1, PANEL, c), 1, 2)
 
 
 def pack(w: jax.Array) -> Packed:
     """The weight [N, D] as panels (see `Packed`) of its own dtype (float32, bfloat16 or float16)."""
-    n, d = w.shape
     if jnp.dtype(w.dtype) not in PANEL_DTYPES:
         raise ValueError(f"pack: weights are float32, bfloat16 or float16, got {jnp.dtype(w.dtype).name}")
-    padded = jnp.pad(jnp.asarray(w), ((0, -n % PANEL), (0, 0)))
-    return Packed(jnp.swapaxes(padded.reshape(-1, PANEL, d), 1, 2), n)
+    return Packed(_panels(w), w.shape[0])
+
+
+def quantize(w: jax.Array) -> Packed:
+    """The weight [N, D] in int8 with a float32 scale per output and block of 32 input
+    columns (llama.cpp's q8_0 scheme): scale = max |w| over the block / 127 and q =
+    round(w / scale), so each value is within scale / 2 of w. A different model from w."""
+    n, d = w.shape
+    w = jnp.asarray(w, jnp.float32)
+    blocks = jnp.pad(w, ((0, 0), (0, -d % Q8_BLOCK))).reshape(n, -1, Q8_BLOCK)
+    scale = jnp.max(jnp.abs(blocks), axis=-1) / 127  # [N, ceil(D/32)]
+    safe = jnp.where(scale > 0, scale, 1.0)[..., None]
+    q = jnp.clip(jnp.round(blocks / safe), -127, 127).astype(jnp.int8).reshape(n, -1)[:, :d]
+    return Packed(_panels(q), n, _panels(scale))
+
+
+def quantize_tree(params: Any) -> Any:
+    """`params` with every 2-D weight in int8 (`quantize`); the CPU kernels must run."""
+    if not runs():
+        raise RuntimeError(f"int8 weights need the CPU kernels: {_state.get('why') or 'not on the CPU backend'}")
+    return jax.tree.map(lambda w: quantize(w) if w.ndim == 2 else w, params)
 
 
 def pack_tree(params: Any) -> Any:
@@ -298,7 +331,11 @@ def rows(w: jax.Array | Packed, ids: jax.Array) -> jax.Array:
     Out-of-range ids behave as jnp indexing does (negative ones wrap, the rest clamp), never
     as the panels' zero padding."""
     if isinstance(w, Packed):
-        return w.panels[_gather_ids(w, ids)].astype(w.dtype)
+        at = _gather_ids(w, ids)
+        values = w.panels[at].astype(w.dtype)
+        if w.scales is not None:
+            values = values * jnp.repeat(w.scales[at], Q8_BLOCK, axis=-1)[..., :values.shape[-1]]
+        return values
     return w[ids]
 
 
@@ -312,7 +349,8 @@ def select(w: jax.Array | Packed, ids: jax.Array) -> jax.Array | Packed:
     """The weight of outputs `ids` only (a head over a reduced vocabulary), stored as `w`
     is: packed in its panels' dtype, or a plain array."""
     if isinstance(w, Packed):
-        return pack(w.panels[_gather_ids(w, ids)])
+        at = _gather_ids(w, ids)
+        return Packed(_panels(w.panels[at]), len(ids), None if w.scales is None else _panels(w.scales[at]))
     return w[ids]
 
 
@@ -321,7 +359,8 @@ def rows_from(w: jax.Array | Packed, start: int) -> jax.Array | Packed:
     if not isinstance(w, Packed):
         return w[start:]
     if start % PANEL == 0:
-        return Packed(w.panels[start // PANEL:], w.n - start)
+        return Packed(w.panels[start // PANEL:], w.n - start,
+                      None if w.scales is None else w.scales[start // PANEL:])
     return w.unpack()[start:]
 
 
@@ -330,30 +369,33 @@ def _dense(x: jax.Array, w: Packed) -> jax.Array:
     return x @ w.unpack().T
 
 
-def _kernel(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
-    """The FFI call for x [M, D]; under vmap the mapped rows are just more rows."""
+def _kernel(x: jax.Array, n: int, *weight: jax.Array) -> jax.Array:
+    """The FFI call for x [M, D] and a packed weight's arrays (panels, or int8 panels and
+    their scales); under vmap the mapped rows are just more rows."""
+    target = "specjax_matmul_q8" if len(weight) == 2 else "specjax_matmul"
 
     @jax.custom_batching.custom_vmap
-    def call(x, panels):
-        return jax.ffi.ffi_call("specjax_matmul", jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, panels)
+    def call(x, *weight):
+        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, *weight)
 
     @call.def_vmap
-    def _(axis_size, in_batched, x, panels):
-        x_batched, w_batched = in_batched
-        if w_batched:  # one weight per mapped element: XLA
+    def _(axis_size, in_batched, x, *weight):
+        x_batched, *w_batched = in_batched
+        if any(w_batched):  # one weight per mapped element: XLA
             x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-            return jax.vmap(lambda x, p: _dense(x, Packed(p, n)))(x, panels), True
+            weight = [w if b else jnp.broadcast_to(w, (axis_size, *w.shape)) for w, b in zip(weight, w_batched)]
+            return jax.vmap(lambda x, *w: _dense(x, Packed(w[0], n, *w[1:])))(x, *weight), True
         if not x_batched:
-            return call(x, panels), False
+            return call(x, *weight), False
         flat = x.reshape(-1, x.shape[-1])
-        return call(flat, panels).reshape(axis_size, x.shape[1], n), True
+        return call(flat, *weight).reshape(axis_size, x.shape[1], n), True
 
-    return call(x, panels)
+    return call(x, *weight)
 
 
 @partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
-    return _kernel(x, panels, n)
+    return _kernel(x, n, panels)
 
 
 @_matmul.defjvp
@@ -362,14 +404,17 @@ def _matmul_jvp(n, primals, tangents):
     (linear, so JAX transposes it for gradients; the FFI call has no transpose)."""
     x, panels = primals
     dx, dpanels = tangents
-    return _kernel(x, panels, n), _dense(dx, Packed(panels, n)) + _dense(x, Packed(dpanels, n))
+    return _kernel(x, n, panels), _dense(dx, Packed(panels, n)) + _dense(x, Packed(dpanels, n))
 
 
 def matmul(x: jax.Array, w: Packed) -> jax.Array:
     """x [..., D] times a packed weight: [..., N]. The kernel where it runs (float32 x on
     CPU), for any number of rows, so a prefill chunk's rows get a decode step's bits; XLA's
-    dot over the unpacked weight otherwise."""
+    dot over the unpacked weight otherwise. An int8 weight is for inference: the kernel
+    has no derivative rule for it."""
     if not (math.prod(x.shape[:-1]) >= 1 and x.dtype == jnp.float32 and runs()):
         return _dense(x, w)
     _require()
-    return _matmul(x.reshape(-1, x.shape[-1]), w.panels, w.n).reshape(*x.shape[:-1], w.n)
+    flat = x.reshape(-1, x.shape[-1])
+    y = _matmul(flat, w.panels, w.n) if w.scales is None else _kernel(flat, w.n, w.panels, w.scales)
+    return y.reshape(*x.shape[:-1], w.n)

@@ -43,9 +43,8 @@ from flax import struct
 from . import checkpoint, cpu_kernels
 from .checkpoint import LAYERS, CheckpointError, Params
 from .config import ConfigError, Qwen3Config, read_json, typed
-from .model import Model
+from .model import Model, reading
 from .qwen3 import attend_masked, linear, mlp, rms_norm, rope, unembed
-from .sharding import placer
 
 ARCHITECTURE = "DFlashDraftModel"
 VOCAB_FILE = "draft_vocab.json"  # {"token_ids": [...]}: a Drafter's vocab, when it has one
@@ -301,8 +300,7 @@ def load_dflash(path: str | Path, target: Model, dtype: Any = None, mesh: jax.sh
         raise CheckpointError(f"{folder}: not a directory")
     cfg = DFlashConfig.from_file(folder / "config.json")
     check_fits(cfg, target.config, str(folder / "config.json"))
-    requested, dtype = dtype is not None, jnp.dtype(dtype) if dtype is not None else jnp.dtype(target.dtype)
-    transform, keep16 = (placer(mesh), False) if mesh is not None else checkpoint.loading(dtype, requested)
+    dtype, transform, keep16 = reading(folder, dtype, target.dtype, mesh)
     params = checkpoint.layers_from_hf(checkpoint.iter_tensors(folder, hf_shapes(cfg), dtype, keep16=keep16),
                                        cfg.layer_config, DRAFT_LAYERS, transform=transform)
     vocab = None

@@ -89,6 +89,19 @@ def _generation_config(folder: Path, cfg: Qwen3Config) -> tuple[Qwen3Config, Sam
     return cfg, generation_sampling(raw, str(gen))
 
 
+def reading(folder: Path, dtype: Any, default: Any, mesh: jax.sharding.Mesh | None
+            ) -> tuple[Any, checkpoint.Transform | None, bool]:
+    """How `load` / `load_dflash` read a folder for `dtype` (None: `default`): the compute
+    dtype, the transform for each tensor and whether 16-bit matrices stay in 16 bits
+    (`checkpoint.loading`); over a mesh each tensor is placed as it is read."""
+    requested, dtype = dtype is not None, jnp.dtype(dtype if dtype is not None else default)
+    if mesh is None:
+        return checkpoint.loading(dtype, requested)
+    if dtype == jnp.int8:
+        raise CheckpointError(f"{folder}: int8 weights run on the CPU kernels of one device, not over a mesh")
+    return dtype, placer(mesh), False
+
+
 def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = None) -> Model:
     """Load a local Hugging Face Qwen3 folder (weights sharded or not, any float dtype),
     with its tokenizer and generation_config.json (eos ids, sampling defaults) when present.
@@ -97,7 +110,9 @@ def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = N
     CPU with the default, matrices stored in bfloat16 or float16 stay in 16 bits in memory
     and the kernels widen them to float32 in registers (`cpu_kernels.Packed`): half the
     memory and the bytes a step reads, and bitwise the logits of ``dtype="float32"``,
-    which widens them at load.
+    which widens them at load. ``dtype="int8"`` computes in float32 over matrices quantized
+    at load (`cpu_kernels.quantize`: a scale per 32 columns, llama.cpp's q8_0): a quarter
+    of float32's bytes, and a different model.
 
     With a `jax.sharding.Mesh`, each weight is placed tensor-parallel over it as it is read
     (`specjax.sharding`), so a model larger than one device's memory loads; the result is
@@ -108,8 +123,7 @@ def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = N
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a directory")
     cfg, defaults = _generation_config(folder, Qwen3Config.from_file(folder / "config.json"))
-    requested, dtype = dtype is not None, jnp.dtype(dtype) if dtype is not None else default_dtype()
-    transform, keep16 = (placer(mesh), False) if mesh is not None else checkpoint.loading(dtype, requested)
+    dtype, transform, keep16 = reading(folder, dtype, default_dtype(), mesh)
     params = checkpoint.load_params(folder, cfg, dtype, transform, keep16)
     return Model(cfg, params, dtype, _load_tokenizer(folder), folder, defaults)
 

@@ -212,6 +212,31 @@ def test_16_bit_panels_give_the_bits_of_the_same_weights_in_float32(rng, dtype, 
     np.testing.assert_array_equal(np.asarray(head.unpack()), widened[np.asarray(ids)])
 
 
+@pytest.mark.parametrize("m,d,n", [(1, 64, 100), (8, 40, 33), (13, 96, 64)])
+def test_int8_weights_round_trip_within_half_a_scale_and_compute_their_values(rng, m, d, n):
+    """quantize: each value within scale / 2 of the weight (scale = block max |w| / 127, a
+    block of 32 columns, D = 40: a partial one; a zero block stays zero); the kernel on int8
+    panels is bitwise the float32 kernel on the dequantized weights."""
+    w = rng.standard_normal((n, d)).astype(np.float32) * rng.uniform(0.01, 3, (n, 1)).astype(np.float32)
+    w[0, :32] = 0.0
+    q = cpu_kernels.quantize(jnp.asarray(w))
+    assert q.stored == jnp.int8 and q.scales.shape == (-(-n // 16), -(-d // 32), 16)
+    deq = np.asarray(q.unpack())
+    blocks = [slice(b, min(b + 32, d)) for b in range(0, d, 32)]
+    for sl in blocks:
+        scale = np.abs(w[:, sl]).max(axis=1, keepdims=True) / 127
+        assert (np.abs(deq[:, sl] - w[:, sl]) <= scale / 2 * (1 + 1e-6) + 1e-30).all()
+    assert not deq[0, :32].any()
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    got = np.asarray(jax.jit(cpu_kernels.matmul)(x, q))
+    np.testing.assert_array_equal(got, np.asarray(cpu_kernels.matmul(x, _packed(deq))))
+    ids = jnp.asarray([0, 5, n - 1])
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.rows(q, ids)), deq[np.asarray(ids)])
+    head = cpu_kernels.select(q, ids)
+    assert head.stored == jnp.int8
+    np.testing.assert_array_equal(np.asarray(head.unpack()), deq[np.asarray(ids)])
+
+
 _WIDEN_ALL = r"""
 #include <cstdio>
 #include "vec8.h"

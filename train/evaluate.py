@@ -1,7 +1,7 @@
 """Evaluate a trained model folder: held-out loss, rename-edit accuracy, sample continuations.
 
-`python -m train.evaluate --model checkpoints/tiny-code [--edits 20] [--samples 3]` prints
-a JSON report (the numbers in checkpoints/README.md come from it).
+`python -m train.evaluate --model checkpoints/tiny-code [--edits 20] [--samples 3]
+[--dtype int8]` prints a JSON report (the numbers in checkpoints/README.md come from it).
 """
 
 from __future__ import annotations
@@ -119,16 +119,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--edits", type=int, default=20)
     ap.add_argument("--edit-seed", type=int, default=1, help="which held-out edits (1: the model card's)")
     ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument("--dtype", help="load with this dtype (default: specjax.load's; int8: the quantized model)")
     args = ap.parse_args(argv)
     for flag, value in (("--edits", args.edits), ("--samples", args.samples)):
         if value < 0:
             ap.error(f"{flag} must be >= 0 (0 skips that part), got {value}")
-    model = specjax.load(args.model)
+    model = specjax.load(args.model, dtype=args.dtype)
     tokens, _, stats = encode_documents(model.tokenizer.backend_tokenizer, corpus.heldout_documents(), "held-out files")
     loss = heldout_loss(model, tokens)
     bytes_per_token = stats["bytes"] / stats["tokens"]
     report = {
         "model": str(args.model),
+        "dtype": args.dtype or "default",
         "parameters": int(sum(np.prod(x.shape) for x in jax.tree.leaves(cpu_kernels.unpack_tree(model.params)))),
         "heldout_nats_per_token": loss,
         "heldout_bits_per_byte": loss / math.log(2) / bytes_per_token,

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "parallel.h"
@@ -41,6 +42,7 @@ using specjax::V8;
 using specjax::Widen;
 
 constexpr int64_t kPanel = 16;  // outputs per panel (two vectors of eight)
+constexpr int64_t kBlock = 32;  // columns per int8 scale (llama.cpp's q8_0 block)
 // Bytes prefetched ahead of the column being read (4 kB: 2 and 8 kB were slower for float32
 // panels, none 1.5x at M = 8).
 constexpr int64_t kAheadBytes = 4096;
@@ -53,20 +55,34 @@ constexpr int kRows = 4;
 #endif
 
 // Panels [p0, p1) of weights of type W against M <= kRows rows of x; M is a template
-// argument so the accumulators live in registers while the panel streams past.
+// argument so the accumulators live in registers while the panel streams past. int8 panels
+// (q8: cpu_kernels.quantize) come with scales [P, ceil(D/32), 16], one per output and block
+// of 32 columns: the weight is q * scale, rounded to float32 as NumPy's q * scale is, then
+// the same FMA chain.
 template <typename W, int M>
-void Panels(const float* x, const W* w, float* y, int64_t D, int64_t N, int64_t p0, int64_t p1) {
+void Panels(const float* x, const W* w, const float* scales, float* y, int64_t D, int64_t N, int64_t p0,
+            int64_t p1) {
+  constexpr bool kQ8 = std::is_same_v<W, int8_t>;
+  const int64_t blocks = (D + kBlock - 1) / kBlock;
   for (int64_t p = p0; p < p1; ++p) {
     const W* panel = w + p * D * kPanel;
     V8 lo[M], hi[M];
     for (int m = 0; m < M; ++m) lo[m] = V8{}, hi[m] = V8{};
-    for (int64_t k = 0; k < D; ++k) {
-      __builtin_prefetch(panel + (k + kAheadBytes / int64_t{sizeof(W) * kPanel}) * kPanel, 0, 0);
-      const V8 a = Widen(panel + k * kPanel), b = Widen(panel + k * kPanel + 8);
-      for (int m = 0; m < M; ++m) {
-        const V8 xm = Splat(x[m * D + k]);
-        lo[m] = Fma(xm, a, lo[m]);
-        hi[m] = Fma(xm, b, hi[m]);
+    for (int64_t k0 = 0; k0 < D; k0 += kBlock) {
+      V8 s_lo{}, s_hi{};
+      if constexpr (kQ8) {
+        const float* s = scales + (p * blocks + k0 / kBlock) * kPanel;
+        s_lo = Load(s), s_hi = Load(s + 8);
+      }
+      for (int64_t k = k0; k < std::min(D, k0 + kBlock); ++k) {
+        __builtin_prefetch(panel + (k + kAheadBytes / int64_t{sizeof(W) * kPanel}) * kPanel, 0, 0);
+        V8 a = Widen(panel + k * kPanel), b = Widen(panel + k * kPanel + 8);
+        if constexpr (kQ8) a = a * s_lo, b = b * s_hi;
+        for (int m = 0; m < M; ++m) {
+          const V8 xm = Splat(x[m * D + k]);
+          lo[m] = Fma(xm, a, lo[m]);
+          hi[m] = Fma(xm, b, hi[m]);
+        }
       }
     }
     const int64_t n0 = p * kPanel;
@@ -80,7 +96,7 @@ void Panels(const float* x, const W* w, float* y, int64_t D, int64_t N, int64_t 
 }
 
 template <typename W>
-using PanelsFn = void (*)(const float*, const W*, float*, int64_t, int64_t, int64_t, int64_t);
+using PanelsFn = void (*)(const float*, const W*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
 
 template <typename W, int... Ms>
 PanelsFn<W> Pick(int64_t m, std::integer_sequence<int, Ms...>) {
@@ -89,38 +105,54 @@ PanelsFn<W> Pick(int64_t m, std::integer_sequence<int, Ms...>) {
 }
 
 template <typename W>
-void Run(ffi::ThreadPool& pool, const float* xp, const W* wp, float* yp, int64_t M, int64_t D, int64_t P,
-         int64_t N) {
+void Run(ffi::ThreadPool& pool, const float* xp, const W* wp, const float* sp, float* yp, int64_t M, int64_t D,
+         int64_t P, int64_t N) {
   ParallelFor(pool, P, [&](int64_t p) {
     // More than kRows rows: passes of kRows over the panel (read again from L1/L2).
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
       const PanelsFn<W> panels = Pick<W>(std::min<int64_t>(kRows, M - m0), std::make_integer_sequence<int, kRows>{});
-      panels(xp + m0 * D, wp, yp + m0 * N, D, N, p, p + 1);
+      panels(xp + m0 * D, wp, sp, yp + m0 * N, D, N, p, p + 1);
     }
   });
 }
 
-ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                      ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  auto yd = y->dimensions();
+// The shapes of x [M, D], w [P, D, 16] and y [M, N] agree, N within the last panel.
+ffi::Error CheckShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, ffi::Span<const int64_t> yd) {
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[1] != xd[1] || wd[2] != kPanel || yd[0] != xd[0])
     return ffi::Error::InvalidArgument("matmul: expected x [M, D], w [P, D, 16] and y [M, N]");
-  const int64_t M = xd[0], D = xd[1], P = wd[0], N = yd[1];
-  if (M < 1 || N > P * kPanel || N <= (P - 1) * kPanel)
+  if (xd[0] < 1 || yd[1] > wd[0] * kPanel || yd[1] <= (wd[0] - 1) * kPanel)
     return ffi::Error::InvalidArgument("matmul: needs M >= 1 and N in the last panel");
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                        ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
+  ffi::Error shapes = CheckShapes(xd, wd, yd);
+  if (shapes.failure()) return shapes;
+  if (sd.size() != 3 || sd[0] != wd[0] || sd[1] != (wd[1] + kBlock - 1) / kBlock || sd[2] != kPanel)
+    return ffi::Error::InvalidArgument("matmul: expected scales [P, ceil(D/32), 16] for int8 panels");
+  Run(pool, x.typed_data(), w.typed_data(), scales.typed_data(), y->typed_data(), xd[0], xd[1], wd[0], yd[1]);
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  ffi::Error shapes = CheckShapes(xd, wd, yd);
+  if (shapes.failure()) return shapes;
+  const int64_t M = xd[0], D = xd[1], P = wd[0], N = yd[1];
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
   switch (w.element_type()) {
     case ffi::DataType::F32:
-      Run(pool, xp, static_cast<const float*>(w.untyped_data()), yp, M, D, P, N);
+      Run(pool, xp, static_cast<const float*>(w.untyped_data()), nullptr, yp, M, D, P, N);
       break;
     case ffi::DataType::BF16:
-      Run(pool, xp, static_cast<const specjax::BF16*>(w.untyped_data()), yp, M, D, P, N);
+      Run(pool, xp, static_cast<const specjax::BF16*>(w.untyped_data()), nullptr, yp, M, D, P, N);
       break;
     case ffi::DataType::F16:
-      Run(pool, xp, static_cast<const specjax::F16*>(w.untyped_data()), yp, M, D, P, N);
+      Run(pool, xp, static_cast<const specjax::F16*>(w.untyped_data()), nullptr, yp, M, D, P, N);
       break;
     default:
       return ffi::Error::InvalidArgument("matmul: weight panels must be float32, bfloat16 or float16");
@@ -135,4 +167,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmul, MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmulQ8, MatmulQ8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -47,8 +47,17 @@ inline V8 AsFloat(V8u u) {
   return r;
 }
 
-// Eight weights as float32; exact for both 16-bit formats (every value they hold is a float32).
+// Eight weights as float32; exact for both 16-bit formats (every value they hold is a
+// float32) and for int8 (to be scaled by the caller).
 inline V8 Widen(const float* p) { return Load(p); }
+
+typedef int8_t V8b __attribute__((vector_size(8)));
+
+inline V8 Widen(const int8_t* p) {
+  V8b b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, V8);
+}
 
 // bfloat16 is float32's upper half.
 inline V8 Widen(const BF16* p) { return AsFloat(Bits(&p->bits) << 16); }

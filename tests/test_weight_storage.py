@@ -1,5 +1,7 @@
-"""A 16-bit checkpoint kept in 16 bits on CPU: bitwise the logits of the same checkpoint
-widened to float32 at load (the reference), in every kind of step, at half the memory."""
+"""How a model's matrices are held on CPU. A 16-bit checkpoint kept in 16 bits: bitwise
+the logits of the same checkpoint widened to float32 at load (the reference), in every kind
+of step, at half the memory. int8 (quantized at load): a different model, whose speculative
+output equals its own plain output."""
 
 import jax
 import jax.numpy as jnp
@@ -119,3 +121,26 @@ def test_float32_on_request_and_16_bit_compute_are_not_packed_16(tmp_path):
     leaves = jax.tree.leaves(half.params, is_leaf=lambda x: isinstance(x, cpu_kernels.Packed))
     assert not any(isinstance(w, cpu_kernels.Packed) for w in leaves)
     assert all(w.dtype == jnp.bfloat16 for w in leaves)
+
+
+def test_int8_is_its_own_model_and_speculation_keeps_it(pair):
+    folder, m16, _, _ = pair
+    m8 = specjax.load(folder, dtype="int8")
+    leaves = jax.tree.leaves(m8.params, is_leaf=lambda x: isinstance(x, cpu_kernels.Packed))
+    assert m8.dtype == jnp.float32 and all(w.stored == jnp.int8 for w in leaves if isinstance(w, cpu_kernels.Packed))
+    assert checkpoint.weight_bytes(m8.params) < 0.6 * checkpoint.weight_bytes(m16.params)
+    rng = np.random.default_rng(6)
+    base = rng.integers(0, m8.config.vocab_size, 7)
+    prompt = np.concatenate([base, base, base[:3]]).tolist()
+    sampling = specjax.Sampling(temperature=0.8, top_k=20)
+    for s in (specjax.Sampling(), sampling):
+        plain = specjax.generate(m8, prompt, max_new_tokens=24, sampling=s, seed=2).tokens
+        spec = specjax.generate(m8, prompt, max_new_tokens=24, sampling=s, seed=2, num_speculative_tokens=4)
+        assert spec.stats.drafted > 0 and spec.tokens == plain
+
+
+def test_int8_over_a_mesh_is_refused(tmp_path):
+    folder = tmp_path / "m"
+    hf_tiny(folder, num_hidden_layers=1)
+    with pytest.raises(checkpoint.CheckpointError, match="int8 weights run on the CPU kernels"):
+        specjax.load(folder, dtype="int8", mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",)))
