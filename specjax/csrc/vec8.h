@@ -15,6 +15,7 @@
 namespace specjax {
 
 typedef float V8 __attribute__((vector_size(32)));
+typedef int32_t V8i __attribute__((vector_size(32)));
 
 inline V8 Load(const float* p) {
   V8 r;
@@ -54,13 +55,26 @@ inline V8 Widen(const float* p) { return Load(p); }
 typedef int8_t V8b __attribute__((vector_size(8)));
 
 inline V8 Widen(const int8_t* p) {
+#if defined(__AVX2__)  // GCC converts the vector-extension form one lane at a time
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (V8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+#else
   V8b b;
   std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b, V8);
+  return __builtin_convertvector(__builtin_convertvector(b, V8i), V8);
+#endif
 }
 
-// bfloat16 is float32's upper half.
-inline V8 Widen(const BF16* p) { return AsFloat(Bits(&p->bits) << 16); }
+// bfloat16 is float32's upper half. (GCC lowers the vector-extension form to five
+// instructions; AVX2's zero extension from memory and a shift are two.)
+inline V8 Widen(const BF16* p) {
+#if defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (V8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+  return AsFloat(Bits(&p->bits) << 16);
+#endif
+}
 
 inline V8 Widen(const F16* p) {
 #if defined(__F16C__)
@@ -94,8 +108,6 @@ inline V8 Fma(V8 a, V8 b, V8 c) {
   return a * b + c;
 #endif
 }
-
-typedef int32_t V8i __attribute__((vector_size(32)));
 
 // exp of eight floats: Cody-Waite reduction to r in [-ln2/2, ln2/2] and Cephes' degree-6
 // polynomial for expf (within ~2 ulp of libm); 0 below the smallest normal result, so a
