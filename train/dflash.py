@@ -36,7 +36,8 @@ Many hosts: ``--coordinator HOST:PORT --num-processes N --process-id I`` on ever
 process's devices; each process feeds its rows of each global batch, process 0 alone
 generates the training data (sent to the others, :func:`share_data`), evaluates, exports,
 writes metrics.jsonl and shows the bar; ``--run`` must be a folder every host sees (orbax
-writes one checkpoint from all of them).
+writes one checkpoint from all of them). ``--data-only`` makes the data and stops (a long
+generation is best done so beforehand: the other processes would wait for it in a collective).
 
 Resume: orbax checkpoints in ``<run>/orbax`` (``train.lm.Checkpoints``), saved every
 ``save_every_minutes``, on Ctrl-C / ``kill`` and at the end; the batch of step s is a
@@ -532,6 +533,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--eval-prompt-len", type=int, default=300)
     p.add_argument("--devices", type=int, help="local devices to split each batch over (default: all; "
                    "a multi-process run uses every process's devices)")
+    p.add_argument("--data-only", action="store_true",
+                   help="generate (or complete) the training data in --data and stop, e.g. on one host before "
+                        "a multi-host run, whose other processes would otherwise wait for it")
     hosts = p.add_argument_group("many hosts (jax.distributed.initialize; the same flags on every host)")
     hosts.add_argument("--coordinator", help="HOST:PORT of process 0, reachable from every host")
     hosts.add_argument("--num-processes", type=int, help="processes in the run (one per host)")
@@ -576,6 +580,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             data = share_data(data)
     except KeyboardInterrupt:
         print("interrupted: finished shards are kept; rerun to continue")
+        return
+    if args.data_only:
+        print(f"{data_dir}: {len(data.tokens)} sequences of {data.tokens.shape[1]} tokens")
         return
     train(target, cfg, tc, data, run, args.out, eval_prompts, args.init, mesh, compute)
 
