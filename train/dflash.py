@@ -15,7 +15,9 @@ The DFlash paper's recipe (arXiv:2602.06036), sized by flags:
    weight sum; embedding and head are the target's and stay frozen. AdamW with warmup +
    cosine and clipping 1.0 (``train.lm.make_optimizer``). With ``--accum K`` a step is
    K micro-batches of ``batch`` sequences (the gradient of all of them), and each
-   micro-batch is split over ``--devices`` local devices (:func:`data_mesh`). The
+   micro-batch is split over ``--devices`` local devices (:func:`data_mesh`); with
+   ``--tp K`` the frozen target is split tensor-parallel over groups of K of them
+   (:mod:`specjax.sharding`) and the batch over the devices / K groups. The
    forward runs in bfloat16 on accelerators and float32 on CPU (``--precision``,
    :func:`compute_dtype`); weights, gradients and AdamW state are float32 always. The
    progress bar shows loss, train tau, tokens/s and the time left.
@@ -65,7 +67,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 import specjax
-from specjax import checkpoint, cpu_kernels, dflash, qwen3
+from specjax import checkpoint, cpu_kernels, dflash, qwen3, sharding
 from specjax.checkpoint import Params
 from specjax.config import Qwen3Config
 from specjax.dflash import DFlashConfig
@@ -320,9 +322,12 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     """Train (or resume) a drafter until ``tc.steps``; returns {"params", "opt_state", "step"}.
 
     A fresh run starts from random weights, or from the drafter folder `init`. Over a
-    `mesh` (:func:`data_mesh`; default one device) the drafter, its optimizer state and the
-    frozen target are replicated and each micro-batch is split along its rows (data
-    parallel; the target from unpacked weights, which XLA partitions like any dot).
+    `mesh` (:func:`data_mesh`; default one device) the drafter and its optimizer state are
+    replicated and each micro-batch is split along its rows over the "data" axis (data
+    parallel). The frozen target is replicated too (unpacked weights, which XLA partitions
+    like any dot), or, where the mesh has a "tp" axis of more than one device, split
+    tensor-parallel over it by :func:`specjax.sharding.shard_params` (replicated over
+    "data"), for a target too large for one device; evaluation then runs on that placement.
     The loss is computed in `compute` (:func:`compute_dtype`; the target cast to it once),
     the params and optimizer state stay float32.
 
@@ -340,8 +345,12 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     step = ckpts.latest_step() or 0
     record = {"best_tau": None, "drafter": cfg.to_hf()}
     mesh = mesh or data_mesh(1)
-    if tc.batch % mesh.size:
-        raise dflash.DFlashError(f"--batch {tc.batch} is not a multiple of --devices {mesh.size}")
+    groups, tp = mesh.shape["data"], mesh.shape.get(sharding.AXIS, 1)
+    if tc.batch % groups:
+        raise dflash.DFlashError(f"--batch {tc.batch} is not a multiple of the {groups} data-parallel groups")
+    if tp > 1 and jax.process_count() > 1:
+        raise dflash.DFlashError("--tp: a tensor-parallel target runs in one process (its evaluation and "
+                                 "loading are process 0's alone)")
     replicated, by_row = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "data"))
     fresh = functools.partial(initial_state, cfg, tc)
     if step == 0:
@@ -355,7 +364,10 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
             print(f"resumed from {run_dir} at step {step}")
     params, opt_state = global_put((state["params"], state["opt_state"]), replicated)
     target_params = target.params
-    if mesh.size > 1 or compute != jnp.float32:  # plain arrays, which XLA partitions and casts
+    if tp > 1:  # split over "tp" (a no-op for weights loaded so); the eval runs on this placement
+        target = dataclasses.replace(target, params=sharding.shard_params(target.params, mesh, sharding.AXIS))
+        target_params = cast_floats(target.params, compute)
+    elif mesh.size > 1 or compute != jnp.float32:  # plain arrays, which XLA partitions and casts
         target_params = cpu_kernels.unpack_tree(target_params)
         if compute != jnp.float32:
             target_params = cast_floats(target_params, compute)
@@ -365,7 +377,8 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     if lead:
         print(f"drafter: {n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, block {cfg.block_size}; "
               f"{len(data.tokens)} sequences of {data.tokens.shape[1]}; {tc.steps} steps of {tokens_per_step} "
-              f"tokens; {compute} compute; {mesh.size} devices in {jax.process_count()} process(es)")
+              f"tokens; {compute} compute; {mesh.size} devices ({groups} data x {tp} tp) in "
+              f"{jax.process_count()} process(es)")
     window: list[tuple[float, float]] = []  # (loss, train tau) of the steps since the last log row
 
     def advance(step: int) -> dict:
@@ -383,7 +396,8 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     def evaluate(step: int) -> None:
         if not (lead and eval_prompts):
             return
-        local = jax.tree.map(lambda x: x.addressable_shards[0].data, params)  # replicated: any local copy
+        # the drafter where the target is: a local copy of it (replicated), or all of it on the --tp mesh
+        local = params if tp > 1 else jax.tree.map(lambda x: x.addressable_shards[0].data, params)
         drafter = dflash.Drafter(local, cfg, jnp.float32)  # the target's
         row = {"step": step, "tokens": step * tokens_per_step, "time": time.time(),
                **evaluate_tau(target, drafter, eval_prompts, tc.eval_tokens)}
@@ -408,20 +422,26 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     return {"params": params, "opt_state": opt_state, "step": step}
 
 
-def data_mesh(devices: int | None = None) -> Mesh:
-    """A one-axis mesh ("data") over the first `devices` local devices (default: all);
-    in a multi-process run (:func:`init_distributed`) over every process's devices, which
+def data_mesh(devices: int | None = None, tp: int = 1) -> Mesh:
+    """A ("data", "tp") mesh of shape (devices / tp, tp) over the first `devices` local
+    devices (default: all): batches split over "data", the target over "tp" (``--tp``;
+    consecutive devices form a group, the neighbours on a host's interconnect). In a
+    multi-process run (:func:`init_distributed`) over every process's devices, which
     `devices` must then count if given."""
     if jax.process_count() > 1:
         if devices not in (None, jax.device_count()):
             raise dflash.DFlashError(f"--devices {devices}: a run of {jax.process_count()} processes uses all "
                                      f"{jax.device_count()} devices")
-        return Mesh(np.array(jax.devices()), ("data",))
-    local = jax.local_devices()
-    devices = devices or len(local)
-    if not 1 <= devices <= len(local):
-        raise dflash.DFlashError(f"--devices {devices}: this process has {len(local)} local device(s)")
-    return Mesh(np.array(local[:devices]), ("data",))
+        chosen = jax.devices()
+    else:
+        local = jax.local_devices()
+        devices = devices or len(local)
+        if not 1 <= devices <= len(local):
+            raise dflash.DFlashError(f"--devices {devices}: this process has {len(local)} local device(s)")
+        chosen = local[:devices]
+    if tp < 1 or len(chosen) % tp:
+        raise dflash.DFlashError(f"--tp {tp}: does not divide the {len(chosen)} devices")
+    return Mesh(np.array(chosen).reshape(-1, tp), ("data", sharding.AXIS))
 
 
 def global_put(tree: Any, sharding: NamedSharding) -> Any:
@@ -533,6 +553,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--eval-prompt-len", type=int, default=300)
     p.add_argument("--devices", type=int, help="local devices to split each batch over (default: all; "
                    "a multi-process run uses every process's devices)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="split the frozen target tensor-parallel over groups of this many devices (for a target "
+                        "too large for one device; one process only); batches are split over the groups")
     p.add_argument("--data-only", action="store_true",
                    help="generate (or complete) the training data in --data and stop, e.g. on one host before "
                         "a multi-host run, whose other processes would otherwise wait for it")
@@ -550,16 +573,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.coordinator or args.num_processes or args.process_id is not None:
         init_distributed(args.coordinator, args.num_processes, args.process_id)  # before any device is touched
     signal.signal(signal.SIGTERM, lm._interrupt)  # `kill` saves like Ctrl-C
-    target = specjax.load(args.target)
+    try:
+        mesh = data_mesh(args.devices, args.tp)
+    except dflash.DFlashError as e:
+        p.error(str(e))
+    if args.tp > 1 and jax.process_count() > 1:
+        p.error("--tp: a tensor-parallel target runs in one process")
+    # over "tp" each weight is placed as it is read, so the target need never fit one device
+    target = specjax.load(args.target, mesh=mesh if args.tp > 1 else None)
     tok = target.tokenizer
     if tok is None:
         p.error(f"{args.target}: no tokenizer files (needed for prompts)")
     _sampling_flags(args, target)
     dc, tc = lm.config_from_args(args, DataConfig), lm.config_from_args(args, DFlashTrainConfig)
     mask = mask_token_id(tok, target.config.vocab_size, args.mask_token_id)
-    mesh = data_mesh(args.devices)
-    if tc.batch % mesh.size:
-        p.error(f"--batch {tc.batch} is not a multiple of --devices {mesh.size}")
+    if tc.batch % mesh.shape["data"]:
+        p.error(f"--batch {tc.batch} is not a multiple of the {mesh.shape['data']} data-parallel groups "
+                f"(--devices / --tp)")
     compute = compute_dtype(args.precision, mesh.devices.flat[0].platform)
     cfg = dflash.config_for(target.config, args.layers, args.block_size, args.target_layer_ids, mask)
     run = args.run or Path("runs") / args.out.name
