@@ -21,9 +21,10 @@ The sources (`csrc/*.cc`) are compiled on first use with the machine's C++ compi
 (`$CXX`, else `c++`) against the FFI headers jaxlib ships, and cached under
 ``~/.cache/specjax/kernels`` (or next to ``$SPECJAX_CACHE_DIR``) by a hash of the sources,
 flags, jax version and the CPU's model and instruction sets (`runtime.host_key`); each
-library records the instruction sets it uses, checked against the CPU before it is loaded. Where that is not possible
-(no compiler, not a CPU backend, not float32) or ``SPECJAX_CPU_KERNELS=off``, callers use
-XLA's own ops; :func:`available` says which, and why, once.
+library records the instruction sets it uses, checked against the CPU before it is
+loaded. Where that is not possible (no compiler, not a CPU backend, 16-bit compute) or
+``SPECJAX_CPU_KERNELS=off``, callers use XLA's own ops; :func:`available` says which, and
+why, once.
 """
 
 from __future__ import annotations
