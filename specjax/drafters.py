@@ -35,6 +35,7 @@ from .dflash import DRAFT_LAYERS, DFlashConfig, context_rows
 from .kv import KVCache
 from .qwen3 import head_weight, hidden_states, project, unembed
 from .sampling import RowSampling
+from .tree_accept import children_without_replacement
 
 CATCH_UP = 64  # context rows one catch-up step writes per row
 
@@ -224,8 +225,12 @@ def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: P
     """DFlash drafts [R, k] after the context catches up to `start` (argmax per block row,
     or where `sample` is set one independent draw per row from its transformed q, keyed by
     (seed, DRAFT stream, position)), their log-probs [R, k, V] when drafts may be sampled,
-    the state, and with tree_nodes > 0 the block's ranked tree (`block_tree`; else None).
-    With a draft vocabulary's `head`, q is zero outside it."""
+    the state, and with tree_nodes > 0 the block's ranked tree (`block_tree`; else None),
+    which when drafts may be sampled also holds "second" [R, k]: per block row the second
+    token of a draw without replacement (`tree_accept.children_without_replacement`) on the
+    same DRAFT-stream noise, whose first token is that row's sampled draft (-1 where q has
+    one token only): a sampled tree's second children (`sampled_tree`). With a draft
+    vocabulary's `head`, q is zero outside it."""
     fc = catch_up(fparams, fcfg, fc, start)
     logits, fkv = block_logits(fparams, fcfg, fc.kv, params, cfg, last, start, k, head)
     fc = fc.replace(kv=fkv)
@@ -242,4 +247,54 @@ def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: P
     keys = jax.vmap(lambda s, p: smp.position_key(s, smp.DRAFT, p))(jnp.repeat(seeds, k), positions)
     logq = smp.transform_rows(logits.reshape(rows * k, -1), rs.repeat(k))
     drawn = jax.vmap(smp.sample)(logq, keys).reshape(rows, k)
+    if tree_nodes:  # the second of two draws without replacement, same noise: the first is `drawn`
+        pair = jax.vmap(lambda lq, key: children_without_replacement(lq, key, 2))(logq, keys)
+        ranked = {**ranked, "second": pair[:, 1].reshape(rows, k)}
     return jnp.where(sample[:, None], drawn, greedy), logq.reshape(rows, k, -1), fc, ranked
+
+
+def sampled_tree_shape(nodes: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(spine, seconds) [R] of a sampled DFlash tree of `nodes` [R] nodes: the chain of the
+    block's first `spine` draws and a second child under each of its first `seconds`
+    nodes (the root first), seconds = max(1, nodes // 3) from 2 nodes on (0 below).
+    A function of the node budget only, never of what was drawn: the rejection rule
+    (`tree_accept`) is exact for a tree fixed before its tokens are drawn."""
+    seconds = jnp.where(nodes >= 2, jnp.maximum(1, nodes // 3), 0)
+    return nodes - seconds, seconds
+
+
+def sampled_tree(drafts: jax.Array, second: jax.Array, nodes: jax.Array, width: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """A tree of SAMPLED DFlash drafts, verified by `tree_accept.accept_tree_rows`.
+
+    The shape is fixed by the node budget alone (`sampled_tree_shape`): a spine, the
+    chain's own draws drafts[:, :spine] (node j at depth j), then the second children,
+    node spine + d at depth d under spine node d - 1, the second token of block row d - 1's
+    draw without replacement (`block_drafts`' "second", whose first is the spine's token).
+    The block's rows do not condition on each other, so every node at depth d draws its
+    children from q of block row d, as the rule asks, and in node-id order the siblings
+    come in draw order. Second children that q cannot give (-1: one token has all its mass)
+    are left out, the rest move up (a shape that depends on q's support, not on the draws).
+
+    drafts, second [R, >= width]; nodes [R] (at most width, the static most nodes).
+    Returns (tokens [R, width], parents [R, width + 1] with the root first (padding: a
+    chain off the last node), main [R, width + 1]: the spine, the nodes drafted [R], depth
+    [R, width + 1]: each node's depth, its children's block row)."""
+    r = drafts.shape[0]
+    spine, seconds = sampled_tree_shape(nodes)
+    ids = jnp.arange(1, width + 1)[None, :]  # node ids 1 .. width; also the depths of the candidate seconds
+    ok = (ids <= seconds[:, None]) & (second[:, :width] >= 0)
+    order = jnp.argsort(jnp.where(ok, ids, width + ids), axis=1)  # the kept seconds first, shallowest first
+    count = jnp.sum(ok, axis=1)
+    on_spine = ids <= spine[:, None]
+    s = jnp.clip(ids - spine[:, None] - 1, 0, width - 1)  # node j's place among the seconds
+    sec_depth = jnp.take_along_axis(order, s, axis=1) + 1
+    is_second = ~on_spine & (ids <= (spine + count)[:, None])
+    tokens = jnp.where(on_spine, drafts[:, :width],
+                       jnp.where(is_second, jnp.take_along_axis(second[:, :width], sec_depth - 1, axis=1), 0))
+    parents = jnp.where(is_second, sec_depth - 1, ids - 1)
+    depth = jnp.where(is_second, sec_depth, ids)
+    root = jnp.zeros((r, 1), jnp.int32)
+    return (tokens.astype(jnp.int32), jnp.concatenate([root - 1, parents], axis=1).astype(jnp.int32),
+            jnp.concatenate([jnp.ones((r, 1), bool), on_spine], axis=1), (spine + count).astype(jnp.int32),
+            jnp.concatenate([root, depth], axis=1).astype(jnp.int32))

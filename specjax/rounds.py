@@ -14,10 +14,17 @@ One round, for every row at once:
    from measured times of steps of this many rows at each width, for each set of model
    proposers run (`StepCosts`), so speculation narrows as the batch fills;
 3. verify and commit: every row's [last, d1 .. d_{W-1}] scored in one target step. A row
-   with deterministic drafts keeps them up to the first that differs from the target's own
-   position-keyed token, plus that token; a row with sampled model drafts takes the
-   general rule (`sampling.accept_rows`). The step's taps of the target become DFlash
-   context rows;
+   with deterministic drafts keeps them up to the first that differs from the target's
+   own position-keyed token, plus that token; a row with sampled model drafts takes the
+   general rule (`sampling.accept_rows`; where the engine drafts trees, recursive
+   rejection sampling without replacement, `tree_accept.accept_tree_rows`, the same on
+   chains). A row with a tree budget drafts a tree instead of a chain: lookup rows the
+   trie of their matches, DFlash rows the block's best tree (deterministic drafts) or,
+   for sampled drafts, a tree whose shape the node budget alone fixes
+   (`drafters.sampled_tree`: the chain plus second children, drawn without replacement at
+   the shallowest depths; never a function of the round's draws, which the rule's
+   exactness needs). The step's taps of the target (along the accepted path) become
+   DFlash context rows;
 4. score every proposer's drafts that the committed tokens decide (drafted or not), into
    that row's acceptance counts.
 The choice is a function of committed tokens and past acceptance only (never of this
@@ -38,11 +45,12 @@ from . import steps, trees
 from .checkpoint import Params
 from .config import Qwen3Config
 from .dflash import DFlashConfig
-from .drafters import DFlashCache, Head, block_drafts, chain, draft_token, feed, stash, tree_capacity
+from .drafters import DFlashCache, Head, block_drafts, chain, draft_token, feed, sampled_tree, stash, tree_capacity
 from .kv import KVCache, write_layer
 from .lookup import ACCEPT_DECAY, PRIOR_ACCEPT, PSEUDO, capacity, expected_tokens, find, tree as lookup_tree
 from .qwen3 import hidden_states, unembed
 from .sampling import RowSampling
+from .tree_accept import accept_tree_rows
 
 SPAN = steps.BUCKETS[-1]  # widest verify step: tokens a row commits per round at most
 FEEDS = (2, SPAN)  # draft-model feed widths: after a round it drafted, and after any round
@@ -64,7 +72,9 @@ def _verify(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, draf
     (rows where `general` is set by the rule for sampled drafts, with their logq). With
     `parents` [R, >= W] the drafts are trees (`specjax.trees`; a chain row's parents are
     i - 1): each row commits its accepted path, whose keys and values move to the row's
-    next positions.
+    next positions; `general` rows then take `tree_accept.accept_tree_rows`, logq[:, i]
+    the q that node i's children were drawn from (for a chain: draft i + 1's, as without
+    parents).
 
     Returns (tokens [R, SPAN]: t_1 .. t_W, count [R] = accepted + 1 (0 for rows not live),
     nan flag over live rows, cache, the target's taps [n, R, W, D] or None, path [R, W]
@@ -95,10 +105,16 @@ def _verify(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, draf
         out = jnp.take_along_axis(out, path, axis=1)
     if logq is not None and width > 1:
         lq = jnp.pad(logq, ((0, 0), (0, max(0, width - 1 - logq.shape[1])), (0, 0)))[:, :width - 1]
-        g_out, g_accepted = smp.accept_rows(logits, drafts, lq, n, positions + 1, seeds, rs)
+        if parents is None:
+            g_out, g_accepted = smp.accept_rows(logits, drafts, lq, n, positions + 1, seeds, rs)
+            g_path = steps_at
+        else:  # trees of sampled drafts (on a chain bitwise accept_rows): lq[:, i] is node i's children's q
+            g_path, g_accepted, g_out = accept_tree_rows(logits, tokens, parents, jnp.minimum(n, width - 1),
+                                                         jnp.pad(lq, ((0, 0), (0, 1), (0, 0))), positions + 1,
+                                                         seeds, rs)
         out = jnp.where(general[:, None], g_out, out)
         accepted = jnp.where(general, g_accepted, accepted)
-        path = jnp.where(general[:, None], steps_at, path)
+        path = jnp.where(general[:, None], g_path, path)
     count = jnp.where(live, accepted + 1, 0)
     bad = jnp.any(jnp.isnan(logits).any(axis=(1, 2)) & live)
     if parents is not None:  # the accepted paths become plain prefixes
@@ -172,9 +188,12 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     from a model where it may use one (a fixed-k baseline for the chooser). tree (static,
     most nodes) > 0 with row_tree [R] (a row's node budget, 0: chains): a row whose round
     takes prompt lookup drafts the lookup trie of its best matches (`lookup.tree`) instead
-    of the chain, and a row taking DFlash drafts (not sampled) the block's best tree
-    (`drafters.block_tree`), as many nodes as the chain would have drafts, verified as a
-    tree.
+    of the chain, and a row taking DFlash drafts the block's best tree when they are not
+    sampled (`drafters.block_tree`, verified by `trees.walk`), and when they are a tree
+    whose shape only the node budget fixes (`drafters.sampled_tree`: the chain's own draws
+    plus second children, drawn without replacement from the same block rows, verified by
+    `tree_accept.accept_tree_rows`), at most as many nodes as the chain would have drafts
+    (and row_tree).
     Returns (log, nan flag, cache, draft cache, DFlash pools, state); log holds "tokens"
     [n_rounds, R, SPAN], "counts" [n_rounds, R], "drafts" judged [n_rounds, R], "source"
     [n_rounds, R] of those drafts (index into SOURCES; -1: none), "branched" [n_rounds, R]
@@ -327,6 +346,22 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 parents = jnp.where(treed[:, None], jnp.concatenate([t_parents, chain_[:, nodes + 1:]], axis=1), parents)
                 main = jnp.where(treed[:, None], jnp.pad(t_main, ((0, 0), (0, SPAN - nodes - 1)), constant_values=True),
                                  main)
+            if f_nodes and sample_drafts:  # sampled DFlash drafts: a tree of fixed shape (`drafters.sampled_tree`)
+                treed = (row_tree > 0) & (src == len(models)) & (n > 0) & drawn
+                s_drafts, s_parents, s_main, s_n, s_depth = sampled_tree(
+                    block_drafts_, block_ranked["second"], jnp.where(treed, jnp.minimum(n, row_tree), 0), f_nodes)
+                at_c = len(candidates) - 1
+                candidates[at_c] = jnp.where(treed[:, None], _fit(s_drafts, k), candidates[at_c])
+                n = jnp.where(treed, s_n, n)
+                parents = jnp.where(treed[:, None], jnp.concatenate([s_parents, chain_[:, f_nodes + 1:]], axis=1),
+                                    parents)
+                main = jnp.where(treed[:, None], jnp.pad(s_main, ((0, 0), (0, SPAN - f_nodes - 1)),
+                                                         constant_values=True), main)
+                # node i's children were drawn from q of block row depth(i) (a chain's: row i)
+                rows_q = jnp.concatenate([s_depth, jnp.arange(f_nodes + 1, max(k, f_nodes + 1))[None, :]
+                                          + jnp.zeros((rows, 1), jnp.int32)], axis=1)[:, :k]
+                node_q = jnp.take_along_axis(logqs[-1], jnp.minimum(rows_q, k - 1)[:, :, None], axis=1)
+                logqs[-1] = jnp.where(treed[:, None, None], node_q, logqs[-1])
         (out, count, nan, model_drafts, tapped, path), (kv, dkv) = steps.switch(
             pick, [branch(w) for w in widths], (kv, dkv), size, last, candidates, logqs, first, first_logq,
             src, n, live, subset, parents)
