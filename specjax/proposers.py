@@ -106,9 +106,13 @@ class DFlashProposer:
     own row's transformed q. Known weakness (z-lab/dflash pull request #169): rows are
     not conditioned on each other's samples, so sampled blocks are less coherent and are
     accepted less often than argmax drafts, which stay exact through sample-and-match.
-    The engine checks that the drafter fits the target. tree > 0: the block's best tree
-    of up to that many nodes (DDTree, `specjax.drafters.block_tree`) instead of its argmax
-    chain, for rows whose drafts are not sampled; 0: chains.
+    The engine checks that the drafter fits the target. tree > 0: a tree of up to that
+    many nodes instead of a chain: the block's best tree (DDTree,
+    `specjax.drafters.block_tree`) for argmax drafts; for sampled drafts the chain plus
+    second children drawn without replacement from the same block rows
+    (`specjax.drafters.sampled_tree`), accepted by recursive rejection sampling
+    (`specjax.tree_accept`), so the output still follows the target's distribution;
+    0: chains.
     """
 
     drafter: dflashlib.Drafter
