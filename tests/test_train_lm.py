@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from specjax.config import Qwen3Config
 from conftest import assert_trees_equal, run_crashing_at
@@ -142,3 +143,21 @@ def test_stage_commands_name_a_missing_input_and_exit_2(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert f"python -m {argv[0]}: error:" in proc.stderr and named in proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--batch", "--eval-every"])
+def test_count_flags_refuse_zero_naming_the_flag(flag, capsys):
+    """A count of 0 (train.target / train.draft's TrainConfig, train.dflash's config) is
+    an argparse error naming the flag, not a crash inside the optimizer's schedule."""
+    import argparse
+
+    from train.dflash import DFlashTrainConfig
+
+    for cls in (lm.TrainConfig, DFlashTrainConfig):
+        parser = argparse.ArgumentParser(prog="stage")
+        lm.add_config_flags(parser, cls)
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args([flag, "0"])
+        assert exit_.value.code == 2
+        assert f"argument {flag}: must be an integer of at least 1, got 0" in capsys.readouterr().err
+        assert getattr(parser.parse_args([flag, "3"]), flag[2:].replace("-", "_")) == 3

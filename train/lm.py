@@ -305,8 +305,23 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+# config fields that count something and must be at least 1 (0 steps would fail deep in
+# optax's schedule; 0 in the others divides by zero or never evaluates)
+COUNT_FIELDS = frozenset({"steps", "batch", "seq", "accum", "anchors", "log_every", "eval_every", "eval_batches",
+                          "eval_tokens"})
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer of at least 1, got {text}")
+    return value
+
+
 def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One ``--flag-name`` per field of the dataclass ``cls`` (bool fields: store_true)."""
+    """One ``--flag-name`` per field of the dataclass ``cls`` (bool fields: store_true;
+    COUNT_FIELDS: at least 1)."""
     d = cls()
     for f in dataclasses.fields(cls):
         default = getattr(d, f.name)
@@ -314,7 +329,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         if isinstance(default, bool):
             parser.add_argument(flag, action="store_true", default=default)
         else:
-            parser.add_argument(flag, type=type(default), default=default)
+            kind = positive_int if f.name in COUNT_FIELDS else type(default)
+            parser.add_argument(flag, type=kind, default=default)
 
 
 def config_from_args(args: argparse.Namespace, cls: type) -> Any:
