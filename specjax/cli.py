@@ -297,48 +297,14 @@ class _Streamer:
 
 
 def _batch_prompts(args, tokenizer, folder: Path) -> list[list[int]]:
-    """The prompts of a --batch file: JSONL if its first non-empty line is a JSON object."""
-    import json
+    """The prompts of a --batch file (`specjax.prompt_files`: JSONL records or one per line)."""
+    from .prompt_files import read_prompt_file
 
     if args.prompt_file is None:
         raise UsageError("--batch reads its prompts from --prompt-file")
-    if not args.prompt_file.is_file():
-        raise UsageError(f"--prompt-file {args.prompt_file}: no such file")
     if tokenizer is None:
         raise UsageError(f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json) for --batch")
-    lines = [(i, line) for i, line in enumerate(args.prompt_file.read_text().splitlines(), 1) if line.strip()]
-    if not lines:
-        raise UsageError(f"--prompt-file {args.prompt_file}: no prompts")
-    jsonl = lines[0][1].lstrip().startswith("{")
-    prompts = []
-    for number, line in lines:
-        where = f"{args.prompt_file}:{number}"
-        messages = None
-        if jsonl:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{where}: not a JSON object ({e.msg})") from None
-            if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-                text = record["prompt"]
-            elif isinstance(record, dict) and isinstance(record.get("messages"), list):
-                messages = record["messages"]
-            else:
-                raise UsageError(f'{where}: expected {{"prompt": "..."}} or {{"messages": [...]}}')
-        else:
-            text = line
-        if messages is not None or args.chat:
-            if not getattr(tokenizer, "chat_template", None):
-                raise UsageError(f"{where}: this model's tokenizer has no chat template")
-            messages = messages or [{"role": "user", "content": text}]
-            ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False))
-        else:
-            ids = tokenizer(text)["input_ids"]
-        if not ids:
-            raise UsageError(f"{where}: the prompt is empty (it tokenizes to no tokens)")
-        prompts.append(ids)
-    return prompts
+    return [list(p.ids) for p in read_prompt_file(args.prompt_file, tokenizer, chat=args.chat)]
 
 
 def _generate_batch(args, model, sampling) -> int:

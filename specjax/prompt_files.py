@@ -1,0 +1,114 @@
+"""Prompt files: read, checked and tokenized, for `specjax generate --batch` and
+drafter training (`python -m train.dflash --prompt-file FILE` or `--prompt-dir DIR`).
+
+- JSONL (a ``.jsonl`` file, or one whose first non-empty line starts with ``{``): one
+  object per line, either ``{"prompt": "text"}`` or ``{"messages": [{"role": ..,
+  "content": ..}, ..]}``. Messages are always formatted by the tokenizer's chat template
+  (with the assistant's turn opened); a plain prompt is tokenized as it is, or as one
+  user message with ``chat=True`` (``--chat``).
+- Plain text: one prompt per line; blank lines separate nothing and are skipped.
+- A folder: every regular, non-hidden file is one prompt (its whole text), by sorted name.
+
+A line that is not a JSON object, a key other than those two, an empty prompt and a file
+without prompts are each a :class:`PromptError` naming the file and line. Prompts are
+kept as token ids with where they came from, so later checks (a prompt too long for the
+data plan) can name it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from .errors import SpecjaxError
+
+KEYS = ("prompt", "messages")
+
+
+class PromptError(SpecjaxError):
+    """A prompt file, folder or line that cannot be used; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One tokenized prompt and where it came from ("file:line" or a file)."""
+
+    where: str
+    ids: tuple[int, ...]
+
+
+def _template(tokenizer: Any, messages: list[dict], where: str) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError(f"{where}: the tokenizer has no chat template to format messages with")
+    try:
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    except Exception as e:  # the template's own checks (roles, order) fail with jinja's errors
+        raise PromptError(f"{where}: the chat template failed on these messages: {e}") from None
+
+
+def _messages(value: Any, where: str) -> list[dict]:
+    ok = isinstance(value, list) and value and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+    if not ok:
+        raise PromptError(f'{where}: "messages" must be a non-empty list of {{"role": str, "content": str}}')
+    if not any(m["content"].strip() for m in value):
+        raise PromptError(f"{where}: the prompt is empty (every message's content is blank)")
+    return value
+
+
+def tokenize(text_or_messages: str | list[dict], tokenizer: Any, chat: bool, where: str) -> Prompt:
+    """One prompt as token ids: messages (or text with `chat`) through the chat template."""
+    if isinstance(text_or_messages, str):
+        if not text_or_messages.strip():
+            raise PromptError(f"{where}: the prompt is empty")
+        if not chat:
+            ids = tokenizer(text_or_messages)["input_ids"]
+            return Prompt(where, tuple(int(i) for i in ids))
+        text_or_messages = [{"role": "user", "content": text_or_messages}]
+    return Prompt(where, tuple(int(i) for i in _template(tokenizer, text_or_messages, where)))
+
+
+def _record(line: str, where: str) -> str | list[dict]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise PromptError(f"{where}: not a JSON object ({e.msg})") from None
+    if not isinstance(record, dict):
+        raise PromptError(f"{where}: not a JSON object")
+    unknown = sorted(set(record) - set(KEYS))
+    if unknown:
+        raise PromptError(f'{where}: unknown key {unknown[0]!r}: a line holds "prompt" or "messages"')
+    if len(record) != 1:
+        raise PromptError(f'{where}: a line holds exactly one of "prompt" or "messages"')
+    if "prompt" in record:
+        if not isinstance(record["prompt"], str):
+            raise PromptError(f'{where}: "prompt" must be a string')
+        return record["prompt"]
+    return _messages(record["messages"], where)
+
+
+def read_prompt_file(path: str | Path, tokenizer: Any, chat: bool = False) -> list[Prompt]:
+    """Every prompt of a JSONL or plain-text file (module docstring), in file order."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptError(f"--prompt-file {path}: no such file")
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    if not lines:
+        raise PromptError(f"{path}: no prompts (the file is empty)")
+    jsonl = path.suffix == ".jsonl" or lines[0][1].lstrip().startswith("{")
+    return [tokenize(_record(line, f"{path}:{n}") if jsonl else line, tokenizer, chat, f"{path}:{n}")
+            for n, line in lines]
+
+
+def read_prompt_dir(path: str | Path, tokenizer: Any, chat: bool = False) -> list[Prompt]:
+    """One prompt per regular, non-hidden file of the folder (its whole text), by name."""
+    path = Path(path)
+    if not path.is_dir():
+        raise PromptError(f"--prompt-dir {path}: not a directory")
+    files = sorted(f for f in path.iterdir() if f.is_file() and not f.name.startswith("."))
+    if not files:
+        raise PromptError(f"{path}: no prompt files")
+    return [tokenize(f.read_text(), tokenizer, chat, str(f)) for f in files]
