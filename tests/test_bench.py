@@ -31,7 +31,7 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     target = _random_model(root / "t", 32, 2, 1)
     draft = _random_model(root / "t-draft", 16, 1, 2)
-    cfg = bench.BenchConfig.quick(model=target, draft=draft, new_tokens=12, prompt_tokens=160, ngram_ks=(7,),
+    cfg = bench.BenchConfig.quick(model=target, draft=draft, new_tokens=12, prompt_tokens=160, ngram_ks=(3,),
                                   draft_ks=(2,), workloads=("edit",), profile_ts=(1, 2), s_profile=False,
                                   out=root / "out")
     return cfg, bench.run(cfg, log=lambda s: None)
@@ -53,7 +53,7 @@ def test_every_field_present(results):
         rows = cell["rows"]
         assert {"plain:0", "lookup:0", "lookup-tree:0", "adaptive:0", "hf-plain:0", "hf-lookup:0",
                 "hf-assisted:0"} <= set(rows)
-        assert {"ngram:7", "draft:2"} <= set(rows)
+        assert {"ngram:3", "draft:2"} <= set(rows)
         for key, row in rows.items():
             assert {"median", "min", "max"} <= set(row["tok_s"]) and row["tok_s"]["median"] > 0
             assert {"median", "min", "max"} <= set(row["speedup"]) and "rss_mb" in row
@@ -78,7 +78,7 @@ def test_stats_agree_with_generate(results):
     draft = specjax.load(cfg.draft)
     prompt = workload(target.tokenizer, "edit", 1, cfg.prompt_tokens)[0]
     cell = next(c for c in res["cells"] if c["sampling"] == "greedy")
-    for key, prop in [("ngram:7", specjax.NgramProposer(k=7)), ("draft:2", specjax.DraftProposer(draft, k=2))]:
+    for key, prop in [("ngram:3", specjax.NgramProposer(k=3)), ("draft:2", specjax.DraftProposer(draft, k=2))]:
         out = specjax.generate(target, prompt.ids, max_new_tokens=cfg.new_tokens, speculative=prop, seed=1)
         row = cell["rows"][key]
         assert row["tokens_per_step"] == out.stats.tokens_per_step
