@@ -246,10 +246,12 @@ def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: P
     positions = (start[:, None] + 1 + jnp.arange(k)).reshape(-1)
     keys = jax.vmap(lambda s, p: smp.position_key(s, smp.DRAFT, p))(jnp.repeat(seeds, k), positions)
     logq = smp.transform_rows(logits.reshape(rows * k, -1), rs.repeat(k))
-    drawn = jax.vmap(smp.sample)(logq, keys).reshape(rows, k)
-    if tree_nodes:  # the second of two draws without replacement, same noise: the first is `drawn`
+    if tree_nodes:  # two draws without replacement on the same noise: the first is smp.sample's draw
         pair = jax.vmap(lambda lq, key: children_without_replacement(lq, key, 2))(logq, keys)
+        drawn = pair[:, 0].reshape(rows, k)
         ranked = {**ranked, "second": pair[:, 1].reshape(rows, k)}
+    else:
+        drawn = jax.vmap(smp.sample)(logq, keys).reshape(rows, k)
     return jnp.where(sample[:, None], drawn, greedy), logq.reshape(rows, k, -1), fc, ranked
 
 
