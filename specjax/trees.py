@@ -28,25 +28,41 @@ def chain_parents(rows: int, width: int) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32) - 1, (rows, width))
 
 
+def _doubling_steps(w: int) -> int:
+    """Pointer-doubling rounds that reach the root from any of w nodes (a path holds at most w)."""
+    return max(0, (w - 1).bit_length())
+
+
 def depths(parents: jax.Array) -> jax.Array:
-    """[R, W] each node's depth (the root's 0) from parents [R, W] in parent-first order."""
+    """[R, W] each node's depth (the root's 0) from parents [R, W] in parent-first order.
+
+    By pointer doubling: each node holds its distance to a pointer up the tree and moves
+    the pointer to the pointer's own, doubling the span each round, so log2(W) rounds of
+    whole-row gathers replace a pass over the nodes one by one (less to compile, and
+    nothing sequential in W)."""
     w = parents.shape[1]
-    depth = jnp.zeros(parents.shape, jnp.int32)
-    for i in range(1, w):
-        depth = depth.at[:, i].set(jnp.take_along_axis(depth, jnp.maximum(parents[:, i:i + 1], 0), axis=1)[:, 0] + 1)
+    up = jnp.maximum(parents, 0).at[:, 0].set(0)  # the root points at itself
+    depth = (jnp.arange(w) > 0).astype(jnp.int32) + jnp.zeros_like(parents)
+    for _ in range(_doubling_steps(w)):
+        depth = depth + jnp.take_along_axis(depth, up, axis=1)
+        up = jnp.take_along_axis(up, up, axis=1)
     return depth
 
 
 def ancestor_bits(parents: jax.Array) -> jax.Array:
-    """[R, W] int32: bit j of node i set when node j is i's ancestor or i itself."""
+    """[R, W] int32: bit j of node i set when node j is i's ancestor or i itself (a node
+    whose parent is < 0 has no ancestors). By pointer doubling, as `depths`."""
     r, w = parents.shape
     if w > MAX_NODES:
         raise ValueError(f"a tree step has at most {MAX_NODES} nodes, got {w}")
-    bits = jnp.zeros((r, w), jnp.uint32)
-    for i in range(w):
-        up = jnp.take_along_axis(bits, jnp.maximum(parents[:, i:i + 1], 0), axis=1)[:, 0]
-        own = jnp.uint32(1 << i) | jnp.where(parents[:, i] >= 0, up, jnp.uint32(0))
-        bits = bits.at[:, i].set(own)
+    ids = jnp.arange(w, dtype=jnp.uint32)
+    bits = jnp.broadcast_to(jnp.left_shift(jnp.uint32(1), ids), (r, w))
+    up = parents.astype(jnp.int32)  # bits[i] covers i up to (not including) up[i]; -1: the path's end
+    for _ in range(_doubling_steps(w)):
+        there = up >= 0
+        at = jnp.maximum(up, 0)
+        bits = bits | jnp.where(there, jnp.take_along_axis(bits, at, axis=1), jnp.uint32(0))
+        up = jnp.where(there, jnp.take_along_axis(up, at, axis=1), -1)
     return jax.lax.bitcast_convert_type(bits, jnp.int32)
 
 
@@ -57,23 +73,25 @@ def walk(tokens: jax.Array, parents: jax.Array, n: jax.Array, target: jax.Array)
     real), target [R, W] the target's token after each node. Returns (path [R, W]: the
     path's nodes from the root, padded past its end with the node ids themselves, and
     accepted [R]: drafted nodes on it). The committed tokens are target[path[j]] for
-    j <= accepted."""
+    j <= accepted.
+
+    A real node holds when its token is the target's token at its parent; the walk from
+    the root reaches exactly the nodes all of whose ancestors (and they themselves) hold,
+    at most one per depth because siblings carry distinct tokens. So the path is read off
+    the ancestor masks at once instead of stepping down the tree."""
     r, w = tokens.shape
     ids = jnp.arange(w)
     real = (ids[None, :] >= 1) & (ids[None, :] <= n[:, None])
-    cur = jnp.zeros(r, jnp.int32)
-    going = jnp.ones(r, bool)
-    path = jnp.broadcast_to(ids, (r, w)).astype(jnp.int32)
-    accepted = jnp.zeros(r, jnp.int32)
-    want = jnp.take_along_axis(target, cur[:, None], axis=1)
-    for j in range(1, w):
-        match = real & (parents == cur[:, None]) & (tokens == want)
-        going = going & jnp.any(match, axis=1)
-        cur = jnp.where(going, jnp.argmax(match, axis=1).astype(jnp.int32), cur)
-        path = path.at[:, j].set(jnp.where(going, cur, path[:, j]))
-        accepted = accepted + going
-        want = jnp.take_along_axis(target, cur[:, None], axis=1)
-    return path, accepted
+    holds = real & (parents >= 0) & (tokens == jnp.take_along_axis(target, jnp.maximum(parents, 0), axis=1))
+    holds = holds | (ids[None, :] == 0)
+    held = jnp.sum(jnp.where(holds, jnp.left_shift(jnp.uint32(1), ids.astype(jnp.uint32)), jnp.uint32(0)),
+                   axis=1, dtype=jnp.uint32)
+    bits = jax.lax.bitcast_convert_type(ancestor_bits(parents), jnp.uint32)
+    on = (bits & ~held[:, None]) == 0  # every node from the root down to it holds
+    depth = depths(parents)
+    path = jax.vmap(lambda p, d, o: p.at[jnp.where(o, d, w)].set(ids.astype(jnp.int32), mode="drop"))(
+        jnp.broadcast_to(ids, (r, w)).astype(jnp.int32), depth, on)
+    return path, (jnp.sum(on, axis=1) - 1).astype(jnp.int32)
 
 
 def compact(k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array, page_size: int, start: jax.Array,

@@ -25,10 +25,11 @@ def _path_to(parents: np.ndarray, i: int) -> list[int]:
 
 
 def test_ancestor_bits_and_depths_follow_the_parents(rng):
-    parents = np.stack([_random_parents(rng, 16) for _ in range(3)])
+    # random trees are shallow; the chain is as deep as 16 nodes go
+    parents = np.stack([_random_parents(rng, 16) for _ in range(3)] + [np.arange(16, dtype=np.int32) - 1])
     bits = np.asarray(trees.ancestor_bits(jnp.asarray(parents))).view(np.uint32)
     depth = np.asarray(trees.depths(jnp.asarray(parents)))
-    for r in range(3):
+    for r in range(4):
         for i in range(16):
             path = _path_to(parents[r], i)
             assert bits[r, i] == sum(1 << j for j in path)
@@ -68,6 +69,7 @@ def test_walk_follows_the_target_token_from_the_root(rng, shape):
         want = _walk_reference(tokens[r], parents[r], ns[r], targets[r])
         assert int(accepted[r]) == len(want) - 1
         assert list(np.asarray(path[r, :len(want)])) == want
+        assert list(np.asarray(path[r, len(want):])) == list(range(len(want), w))  # padded with the ids
 
 
 def _trie_reference(history: np.ndarray, size: int, k: int, max_ngram: int, min_ngram: int):
