@@ -280,7 +280,7 @@ def markdown(results: dict[str, Any]) -> str:
     elif all(ch["passed"] for _, ch in checks):
         runs = sum(ch["runs"] for _, ch in checks)
         lines.append(f"f32 greedy check: **passed**: llama.cpp's greedy tokens on the f32 file equal specjax's in "
-                     f"all {runs} runs ({checks[0][1]['tokens']} tokens each).")
+                     f"{runs} of {runs} timed runs ({checks[0][1]['tokens']} tokens each).")
     else:
         bad = [f"{w} run {m['run']} first differs at token {m['position']} (specjax {m['specjax']}, llama.cpp "
                f"{m['llamacpp']})" for w, ch in checks for m in ch["mismatches"]]
