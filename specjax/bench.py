@@ -48,6 +48,7 @@ class BenchConfig:
     dflash_ks: tuple[int, ...] = (4, 7, 15)
     profile_ts: tuple[int, ...] = tuple(range(1, 17))
     hf: bool = True
+    profile: bool = True  # time the step profiles after the cells (this model's; the S config's with s_profile)
     s_profile: bool = True  # also time the S config's steps, bf16 / f32 / int8 matrices (CPU; ~3 min)
     out: Path = Path("bench-results")
     # llama.cpp in the same run (`specjax.llamacpp`): its source tree (the converter), the
@@ -416,6 +417,15 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         checks = [c["llamacpp"]["check"] for c in results["cells"] if "check" in c.get("llamacpp", {})]
         results["llamacpp"] = {**lc_info, "check_passed": bool(checks) and all(ch["passed"] for ch in checks)}
         log(f"llama.cpp f32 greedy check: {'passed' if results['llamacpp']['check_passed'] else 'FAILED'}")
+    if cfg.profile:
+        _profiles(cfg, target, results, log)
+    write(results, cfg.out)
+    return results
+
+
+def _profiles(cfg: BenchConfig, target: Model, results: dict[str, Any], log: Callable[[str], None]) -> None:
+    """The step profiles, into `results`: the model's; on CPU the S config's (bf16, f32 and
+    int8 matrices) unless cfg.s_profile is off; elsewhere a Qwen3-4B-shaped model's."""
     results["profile"] = step_profile(target, cfg.profile_ts)
     log(f"step profile: {_against_floor(results['profile'])}; ratios "
         + ", ".join(f"T={t}: {r:.2f}" for t, r in results["profile"]["ratio_to_T1"].items()))
@@ -429,8 +439,6 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     if not on_cpu:  # absolute step times of a real-sized model against the floor
         results["gpu_profile"] = step_profile(random_model(QWEN3_4B_SHAPE, "bfloat16"), cfg.profile_ts, context=1024)
         log(f"Qwen3-4B shape, bf16: {_against_floor(results['gpu_profile'])}")
-    write(results, cfg.out)
-    return results
 
 
 def _against_floor(p: dict[str, Any]) -> str:

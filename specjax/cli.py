@@ -113,6 +113,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--prompt-tokens", type=_positive, help="approximate prompt length")
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    p.add_argument("--no-profile", action="store_true",
+                   help="skip the step profiles after the cells (this model's and the S config's; minutes on CPU)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="JSON, markdown and PNG output folder")
     lc = p.add_argument_group("llama.cpp in the same run (needs llama-cpp-python; README: \"llama.cpp in the benchmark\")")
     lc.add_argument("--llamacpp", type=Path, metavar="DIR",
@@ -200,7 +202,7 @@ def _bench(args) -> int:
         return _bench_concurrency(args)
     model = args.model or default_model()
     kw = dict(model=model, draft=args.draft or _sibling(model, "draft"), dflash=args.dflash or _sibling(model, "dflash"),
-              hf=not args.no_hf, out=args.out)
+              hf=not args.no_hf, profile=not args.no_profile, out=args.out)
     for name in ("prompts", "reps", "new_tokens", "prompt_tokens"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)

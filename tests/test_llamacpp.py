@@ -194,18 +194,14 @@ def tiny_bf16(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bench_run(source, tiny_bf16, tmp_path_factory):
     """The bench on the bf16 model with f32 (specjax's rows widened at load, as for q8_0 its
-    rows quantized at load) and bf16 (the loaded model's own weights) files; the step
-    profile, test_bench's subject, stubbed out to save its 20 s."""
+    rows quantized at load) and bf16 (the loaded model's own weights) files; no step profile
+    (test_bench's subject)."""
     root = tmp_path_factory.mktemp("lcbench")
     cfg = bench.BenchConfig(model=tiny_bf16[1], workloads=("edit",), samplings=("greedy",), prompts=1, reps=1,
-                            prompt_tokens=160, new_tokens=12, ngram_ks=(3,), hf=False, s_profile=False,
+                            prompt_tokens=160, new_tokens=12, ngram_ks=(3,), hf=False, profile=False,
                             llamacpp=source, gguf_types=("f32", "bf16"), llamacpp_ks=(3,), gguf_cache=root / "gguf",
                             out=root / "out")
-    with pytest.MonkeyPatch.context() as mp:
-        stub = dict(context=0, ratio_to_T1={1: 1.0}, weight_bytes=0, bandwidth_GBps=0.0, floor_ms=0.0, decode_ms=0.0,
-                    decode_over_floor=0.0, run_ms_per_token=0.0, run_over_floor=0.0)
-        mp.setattr(bench, "step_profile", lambda *a, **k: stub)
-        return cfg, bench.run(cfg, log=lambda s: None)
+    return cfg, bench.run(cfg, log=lambda s: None)
 
 
 def test_greedy_tokens_on_f32_equal_specjax_and_transformers(bench_run, tiny_bf16):
