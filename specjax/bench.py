@@ -58,6 +58,7 @@ class BenchConfig:
     gguf_types: tuple[str, ...] = ("f32", "bf16", "q8_0")
     llamacpp_ks: tuple[int, ...] = (2, 4, 7, 10, 15)
     gguf_cache: Path | None = None
+    llamacpp_threads: int | None = None  # default: as many as specjax's kernels use (`llamacpp.threads`)
 
     @classmethod
     def quick(cls, **kw) -> "BenchConfig":
@@ -141,7 +142,7 @@ def _llamacpp(cfg: BenchConfig, target: Model, log: Callable[[str], None]
     llama_cpp = llamacpp.require()
     cache = cfg.gguf_cache or llamacpp.default_cache()
     files = {t: llamacpp.convert(cfg.llamacpp, cfg.model, t, cache, log) for t in cfg.gguf_types}
-    n_threads = llamacpp.threads()
+    n_threads = cfg.llamacpp_threads or llamacpp.threads()
     # room for the prompt, the new tokens and a last step's drafts, within the model's context
     n_ctx = min(cfg.prompt_tokens + cfg.new_tokens + max(cfg.llamacpp_ks, default=0) + 1,
                 target.config.max_position_embeddings)
@@ -158,9 +159,10 @@ def _llamacpp(cfg: BenchConfig, target: Model, log: Callable[[str], None]
                      (f"lookup@{t}:0", functools.partial(_ours, model, lookup, **greedy))]
         runner = llamacpp.Runner(files[t], t, n_ctx, n_threads)
         rows += [(llamacpp.key(t, k), functools.partial(runner.run, k=k)) for k in (0, *cfg.llamacpp_ks)]
-    info = {"version": llama_cpp.__version__, "source": str(cfg.llamacpp), "threads": n_threads, "n_ctx": n_ctx,
+    info = {"version": llama_cpp.__version__, "source": str(cfg.llamacpp), "threads": n_threads,
+            "specjax_threads": llamacpp.threads(), "n_ctx": n_ctx,
             "files": {t: {"path": str(p), "bytes": p.stat().st_size} for t, p in files.items()}}
-    log(f"llama.cpp: llama-cpp-python {info['version']}, {n_threads} threads (as specjax's), types "
+    log(f"llama.cpp: llama-cpp-python {info['version']}, {n_threads} threads (specjax's: {info['specjax_threads']}), types "
         + ", ".join(cfg.gguf_types))
     return rows, tags, info
 

@@ -122,6 +122,8 @@ def _add_bench(sub) -> None:
                          "with its converter and time llama.cpp's plain and prompt-lookup decoding next to ours")
     lc.add_argument("--llamacpp-types", nargs="+", choices=GGUF_TYPES, metavar="TYPE",
                     help="GGUF weight types to convert to and time (default: f32 bf16 q8_0; f32 runs the greedy check)")
+    lc.add_argument("--llamacpp-threads", type=_positive, metavar="N",
+                    help="llama.cpp's threads (default: as many as specjax's kernels use, one per CPU)")
     lc.add_argument("--gguf-cache", type=Path, metavar="DIR",
                     help="where converted files are kept, by checkpoint content and type (default: ~/.cache/specjax/gguf)")
     p.add_argument("--concurrency", type=_levels, metavar="C,C,...",
@@ -209,11 +211,11 @@ def _bench(args) -> int:
     if args.workloads:
         kw["workloads"] = tuple(args.workloads)
     if args.llamacpp is not None:
-        kw.update(llamacpp=args.llamacpp, gguf_cache=args.gguf_cache)
+        kw.update(llamacpp=args.llamacpp, gguf_cache=args.gguf_cache, llamacpp_threads=args.llamacpp_threads)
         if args.llamacpp_types:
             kw["gguf_types"] = tuple(dict.fromkeys(args.llamacpp_types))
-    elif args.llamacpp_types or args.gguf_cache:
-        raise UsageError("--llamacpp-types and --gguf-cache go with --llamacpp DIR")
+    elif args.llamacpp_types or args.gguf_cache or args.llamacpp_threads:
+        raise UsageError("--llamacpp-types, --llamacpp-threads and --gguf-cache go with --llamacpp DIR")
     cfg = BenchConfig.quick(**kw) if args.quick else BenchConfig(**kw)
     run(cfg, log=lambda line: print(line, flush=True))
     print(f"wrote {cfg.out}/results.json, results.md, speedup_vs_k.png, acceptance_by_position.png")

@@ -261,7 +261,7 @@ def markdown(results: dict[str, Any]) -> str:
     cells = [c for c in results["cells"] if "llamacpp" in c]
     lines = ["", "### llama.cpp in the same run", "",
              f"llama.cpp through llama-cpp-python {info['version']} on GGUF files made by llama.cpp's converter "
-             f"from this checkpoint, {info['threads']} threads for both engines; greedy, the same token ids to "
+             f"from this checkpoint, {_threads(info)}; greedy, the same token ids to "
              "both, decode tok/s after prefill (medians over runs). `vs llama.cpp plain` is the median of "
              "per-run speed ratios against llama.cpp's plain decoding on the same weights. specjax's q8_0 row is "
              "its int8 weights (`load(dtype=\"int8\")`: llama.cpp's q8_0 blocks, activations kept in f32).", "",
@@ -299,6 +299,13 @@ def markdown(results: dict[str, Any]) -> str:
                      f"llama.cpp's ({_label(s['llamacpp'], s['llamacpp_weights'])}): {s['ratio']:.2f}x{goal}")
         lines.append(line + ".")
     return "\n".join(lines) + "\n"
+
+
+def _threads(info: dict[str, Any]) -> str:
+    if info["threads"] == info["specjax_threads"]:
+        return f"{info['threads']} threads for both engines"
+    n = info["threads"]
+    return f"llama.cpp on {n} thread{'s' * (n != 1)} (`--llamacpp-threads`), specjax on {info['specjax_threads']}"
 
 
 def _label(row: str, weights: str) -> str:

@@ -65,7 +65,8 @@ def test_a_tree_without_the_converter_is_named(tmp_path, capsys):
 
 
 def test_llamacpp_flags_need_llamacpp(capsys):
-    for argv in (["--llamacpp-types", "f32"], ["--gguf-cache", "/tmp/x"], ["--concurrency", "1", "--llamacpp", "/x"]):
+    for argv in (["--llamacpp-types", "f32"], ["--gguf-cache", "/tmp/x"], ["--llamacpp-threads", "1"],
+                 ["--concurrency", "1", "--llamacpp", "/x"]):
         with pytest.raises(SystemExit) as e:
             main(["bench", "--no-hf", *argv])
         assert e.value.code == 2 and "--llamacpp" in capsys.readouterr().err
@@ -158,8 +159,10 @@ def test_the_comparison_reports_what_the_runs_say():
                                    "llamacpp_weights": "bf16", "ratio": pytest.approx(3.0)}
     assert cell["check"] == {"passed": False, "runs": 2, "tokens": 4,
                              "mismatches": [{"run": 1, "position": 2, "specjax": 3, "llamacpp": 9}]}
-    results = {"llamacpp": {"version": "0", "threads": 2}, "cells": [{"workload": "edit", "llamacpp": cell}]}
+    results = {"llamacpp": {"version": "0", "threads": 1, "specjax_threads": 2},
+               "cells": [{"workload": "edit", "llamacpp": cell}]}
     table = llamacpp.markdown(results)
+    assert "llama.cpp on 1 thread (`--llamacpp-threads`), specjax on 2;" in table
     assert "| edit | bf16 | specjax | ngram (k=3) | 11 | 6.00x | yes |" in table
     assert "| edit | f16 | llama.cpp | lookup (k=2) | 3 | 1.46x | – |" in table
     assert "f32 greedy check: **FAILED**: edit run 1 first differs at token 2 (specjax 3, llama.cpp 9)" in table
@@ -228,7 +231,7 @@ def test_bench_writes_llamacpp_rows_check_and_table(bench_run):
     cfg, res = bench_run
     data = json.loads((cfg.out / "results.json").read_text())
     info = data["llamacpp"]
-    assert info["check_passed"] and info["threads"] == llamacpp.threads()
+    assert info["check_passed"] and info["threads"] == info["specjax_threads"] == llamacpp.threads()
     assert set(info["files"]) == {"f32", "bf16"} and all(f["bytes"] > 0 for f in info["files"].values())
     cell = data["cells"][0]
     for key in ("plain@f32:0", "lookup@f32:0", *(llamacpp.key(t, k) for t in ("f32", "bf16") for k in (0, 3))):
