@@ -128,7 +128,7 @@ class Runner:
         llama_cpp = require()
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        self._lookup_k = LlamaPromptLookupDecoding
+        self._prompt_lookup = LlamaPromptLookupDecoding
         cache = dict(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32) if gguf_type == "f32" else {}
         common = dict(n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads, verbose=False, **cache)
         self.plain = llama_cpp.Llama(str(path), **common)
@@ -143,7 +143,7 @@ class Runner:
         llm = self.plain
         if k:
             llm = self.lookup
-            llm.draft_model = self._lookup_k(num_pred_tokens=k)
+            llm.draft_model = self._prompt_lookup(num_pred_tokens=k)
         llm.reset()  # a full prefill: generate() would otherwise reuse the cache of an equal prompt prefix
         tokens: list[int] = []
         first = end = time.perf_counter()
