@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import llamacpp
 from .adaptive import Adaptive
 from .checkpoint import weight_bytes
 from .loop import generate
@@ -47,14 +48,23 @@ class BenchConfig:
     dflash_ks: tuple[int, ...] = (4, 7, 15)
     profile_ts: tuple[int, ...] = tuple(range(1, 17))
     hf: bool = True
+    profile: bool = True  # time the step profiles after the cells (this model's; the S config's with s_profile)
     s_profile: bool = True  # also time the S config's steps, bf16 / f32 / int8 matrices (CPU; ~3 min)
     out: Path = Path("bench-results")
+    # llama.cpp in the same run (`specjax.llamacpp`): its source tree (the converter), the
+    # GGUF types to convert to, its prompt-lookup draft lengths, the converted files' cache
+    # (default `llamacpp.default_cache()`)
+    llamacpp: Path | None = None
+    gguf_types: tuple[str, ...] = ("f32", "bf16", "q8_0")
+    llamacpp_ks: tuple[int, ...] = (2, 4, 7, 10, 15)
+    gguf_cache: Path | None = None
+    llamacpp_threads: int | None = None  # default: as many as specjax's kernels use (`llamacpp.threads`)
 
     @classmethod
     def quick(cls, **kw) -> "BenchConfig":
         """About two minutes on two CPU cores: one prompt, one repetition, fewer k."""
         base = dict(prompts=1, reps=1, ngram_ks=(2, 7), draft_ks=(2, 4), dflash_ks=(7, 15), new_tokens=96,
-                    profile_ts=(1, 2, 4, 8, 16))
+                    profile_ts=(1, 2, 4, 8, 16), llamacpp_ks=(4, 10))
         base.update(kw)
         return cls(**base)
 
@@ -100,6 +110,61 @@ def _ours(target: Model, proposer: Any, ids: list[int], n: int, sampling: Sampli
     res = generate(target, ids, max_new_tokens=n, sampling=sampling, seed=seed, speculative=proposer, stop_ids=())
     s = res.stats
     return {"tokens": res.tokens, "tok_s": s.tokens_per_s, "decode_s": s.decode_s, "stats": s.summary()}
+
+
+# ---------------------------------------------------------------- llama.cpp
+
+GGUF_NAMES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def _matrix_storage(model: Model) -> str:
+    """The GGUF name of what the loaded model's matrices are stored in (f32, bf16, f16)."""
+    import jax
+    from .cpu_kernels import Packed
+
+    leaves = jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, Packed))
+    stored = next(x.stored if isinstance(x, Packed) else x.dtype for x in leaves if isinstance(x, Packed) or x.ndim == 2)
+    return GGUF_NAMES[np.dtype(stored).name]
+
+
+Row = Callable[[list[int], int], dict[str, Any]]
+
+
+def _llamacpp(cfg: BenchConfig, target: Model, log: Callable[[str], None]
+              ) -> tuple[list[tuple[str, Row]], dict[str, str | None], dict[str, Any]]:
+    """The greedy rows `--llamacpp` adds to a cell, as (row key, run(ids, n)): llama.cpp's
+    plain decoding and prompt lookup (each k) on each GGUF type, and specjax's plain
+    decoding and lookup on the same weights where the loaded model's are others (f32
+    widened at load, int8 quantized at load for q8_0). Also each type's tag of specjax's
+    rows ("" for the loaded model's own, None where specjax has no such weights: a 16-bit
+    type the checkpoint is not stored in) and the run's llama.cpp facts."""
+    llamacpp.converter(cfg.llamacpp)  # the cheap checks first, before any model is loaded
+    llama_cpp = llamacpp.require()
+    cache = cfg.gguf_cache or llamacpp.default_cache()
+    files = {t: llamacpp.convert(cfg.llamacpp, cfg.model, t, cache, log) for t in cfg.gguf_types}
+    n_threads = cfg.llamacpp_threads or llamacpp.threads()
+    # room for the prompt, the new tokens and a last step's drafts, within the model's context
+    n_ctx = min(cfg.prompt_tokens + cfg.new_tokens + max(cfg.llamacpp_ks, default=0) + 1,
+                target.config.max_position_embeddings)
+    own = _matrix_storage(target)
+    greedy = dict(sampling=SAMPLINGS["greedy"], seed=0)
+    rows: list[tuple[str, Row]] = []
+    tags: dict[str, str | None] = {}
+    for t in cfg.gguf_types:
+        tags[t] = "" if t == own else f"@{t}" if t in ("f32", "q8_0") else None
+        if tags[t]:
+            model = load(cfg.model, "float32" if t == "f32" else "int8")
+            lookup = Adaptive(NgramProposer(k=max(cfg.ngram_ks)))  # as the `lookup` row
+            rows += [(f"plain@{t}:0", functools.partial(_ours, model, None, **greedy)),
+                     (f"lookup@{t}:0", functools.partial(_ours, model, lookup, **greedy))]
+        runner = llamacpp.Runner(files[t], t, n_ctx, n_threads)
+        rows += [(llamacpp.key(t, k), functools.partial(runner.run, k=k)) for k in (0, *cfg.llamacpp_ks)]
+    info = {"version": llama_cpp.__version__, "source": str(cfg.llamacpp), "threads": n_threads,
+            "specjax_threads": llamacpp.threads(), "n_ctx": n_ctx,
+            "files": {t: {"path": str(p), "bytes": p.stat().st_size} for t, p in files.items()}}
+    log(f"llama.cpp: llama-cpp-python {info['version']}, {n_threads} threads (specjax's: {info['specjax_threads']}), types "
+        + ", ".join(cfg.gguf_types))
+    return rows, tags, info
 
 
 # ---------------------------------------------------------------- transformers
@@ -314,6 +379,7 @@ def _profiled_step() -> Callable:
 def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the benchmark; returns (and writes) the results."""
     target = load(cfg.model)
+    lc_rows, lc_tags, lc_info = _llamacpp(cfg, target, log) if cfg.llamacpp is not None else ([], {}, {})
     methods = _methods(cfg, target)
     hf = _hf_runner(cfg)
     hf_methods = hf.methods if hf else []
@@ -339,9 +405,29 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
                         r = hf(name, prompt.ids, cfg.new_tokens, sampling, seed)
                         if rep:
                             runs.setdefault(f"{name}:0", []).append(r)
+                    for key, row in lc_rows if sname == "greedy" else ():
+                        r = row(prompt.ids, cfg.new_tokens)
+                        r["rss_mb"] = _rss_mb()
+                        if rep:
+                            runs.setdefault(key, []).append(r)
             cell = _summarise(kind, sname, runs)
+            if lc_rows and sname == "greedy":
+                cell["llamacpp"] = llamacpp.summarise(kind, runs, lc_tags)
             results["cells"].append(cell)
             log(_cell_line(cell))
+    if lc_rows:
+        checks = [c["llamacpp"]["check"] for c in results["cells"] if "check" in c.get("llamacpp", {})]
+        results["llamacpp"] = {**lc_info, "check_passed": bool(checks) and all(ch["passed"] for ch in checks)}
+        log(f"llama.cpp f32 greedy check: {'passed' if results['llamacpp']['check_passed'] else 'FAILED'}")
+    if cfg.profile:
+        _profiles(cfg, target, results, log)
+    write(results, cfg.out)
+    return results
+
+
+def _profiles(cfg: BenchConfig, target: Model, results: dict[str, Any], log: Callable[[str], None]) -> None:
+    """The step profiles, into `results`: the model's; on CPU the S config's (bf16, f32 and
+    int8 matrices) unless cfg.s_profile is off; elsewhere a Qwen3-4B-shaped model's."""
     results["profile"] = step_profile(target, cfg.profile_ts)
     log(f"step profile: {_against_floor(results['profile'])}; ratios "
         + ", ".join(f"T={t}: {r:.2f}" for t, r in results["profile"]["ratio_to_T1"].items()))
@@ -355,8 +441,6 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     if not on_cpu:  # absolute step times of a real-sized model against the floor
         results["gpu_profile"] = step_profile(random_model(QWEN3_4B_SHAPE, "bfloat16"), cfg.profile_ts, context=1024)
         log(f"Qwen3-4B shape, bf16: {_against_floor(results['gpu_profile'])}")
-    write(results, cfg.out)
-    return results
 
 
 def _against_floor(p: dict[str, Any]) -> str:
@@ -373,7 +457,7 @@ def _summarise(kind: str, sname: str, runs: dict[str, list[dict]]) -> dict[str, 
         speed = [p["decode_s"] / r["decode_s"] for p, r in zip(plain, rs) if r["decode_s"] > 0]
         row = {"method": name, "k": int(k), "tok_s": _spread([r["tok_s"] for r in rs]), "speedup": _spread(speed),
                "rss_mb": max(r.get("rss_mb", 0.0) for r in rs)}
-        if not name.startswith("hf-") and name != "plain":
+        if not name.startswith(("hf-", "llamacpp-", "plain")):  # speculative rows of ours
             stats = [r["stats"] for r in rs]
             row.update(
                 tokens_per_step=statistics.median(s["tokens_per_step"] for s in stats),
@@ -469,7 +553,8 @@ def markdown(results: dict[str, Any]) -> str:
                          + ", ".join(f"T={t}: {r:.2f}" for t, r in p["ratio_to_T1"].items())
                          + f". Floor {p['floor_ms']:.2f} ms ({p['weight_bytes'] / 1e6:.0f} MB of weights at "
                          f"{p['bandwidth_GBps']:.1f} GB/s); {_against_floor(p)}.")
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    return text + llamacpp.markdown(results) if "llamacpp" in results else text
 
 
 def plots(results: dict[str, Any], out: Path) -> list[Path]:

@@ -99,6 +99,7 @@ def _add_generate(sub) -> None:
 
 
 def _add_bench(sub) -> None:
+    from .llamacpp import GGUF_TYPES
     from .workloads import WORKLOADS
 
     p = sub.add_parser("bench", help="speedup per proposer and k, side by side with transformers")
@@ -112,7 +113,19 @@ def _add_bench(sub) -> None:
     p.add_argument("--prompt-tokens", type=_positive, help="approximate prompt length")
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    p.add_argument("--no-profile", action="store_true",
+                   help="skip the step profiles after the cells (this model's and the S config's; minutes on CPU)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="JSON, markdown and PNG output folder")
+    lc = p.add_argument_group("llama.cpp in the same run (needs llama-cpp-python; README: \"llama.cpp in the benchmark\")")
+    lc.add_argument("--llamacpp", type=Path, metavar="DIR",
+                    help="a llama.cpp source tree (holding convert_hf_to_gguf.py and gguf-py/): convert the model "
+                         "with its converter and time llama.cpp's plain and prompt-lookup decoding next to ours")
+    lc.add_argument("--llamacpp-types", nargs="+", choices=GGUF_TYPES, metavar="TYPE",
+                    help="GGUF weight types to convert to and time (default: f32 bf16 q8_0; f32 runs the greedy check)")
+    lc.add_argument("--llamacpp-threads", type=_positive, metavar="N",
+                    help="llama.cpp's threads (default: as many as specjax's kernels use, one per CPU)")
+    lc.add_argument("--gguf-cache", type=Path, metavar="DIR",
+                    help="where converted files are kept, by checkpoint content and type (default: ~/.cache/specjax/gguf)")
     p.add_argument("--concurrency", type=_levels, metavar="C,C,...",
                    help="instead: the batched engine with C concurrent requests (e.g. 1,2,4,8,16): aggregate and "
                         "per-request tokens/s, time to first token, inter-token latency")
@@ -186,15 +199,23 @@ def _bench(args) -> int:
     from .bench import BenchConfig, run
 
     if args.concurrency:
+        if args.llamacpp is not None:
+            raise UsageError("--llamacpp times single requests; it does not go with --concurrency")
         return _bench_concurrency(args)
     model = args.model or default_model()
     kw = dict(model=model, draft=args.draft or _sibling(model, "draft"), dflash=args.dflash or _sibling(model, "dflash"),
-              hf=not args.no_hf, out=args.out)
+              hf=not args.no_hf, profile=not args.no_profile, out=args.out)
     for name in ("prompts", "reps", "new_tokens", "prompt_tokens"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     if args.workloads:
         kw["workloads"] = tuple(args.workloads)
+    if args.llamacpp is not None:
+        kw.update(llamacpp=args.llamacpp, gguf_cache=args.gguf_cache, llamacpp_threads=args.llamacpp_threads)
+        if args.llamacpp_types:
+            kw["gguf_types"] = tuple(dict.fromkeys(args.llamacpp_types))
+    elif args.llamacpp_types or args.gguf_cache or args.llamacpp_threads:
+        raise UsageError("--llamacpp-types, --llamacpp-threads and --gguf-cache go with --llamacpp DIR")
     cfg = BenchConfig.quick(**kw) if args.quick else BenchConfig(**kw)
     run(cfg, log=lambda line: print(line, flush=True))
     print(f"wrote {cfg.out}/results.json, results.md, speedup_vs_k.png, acceptance_by_position.png")
