@@ -67,18 +67,19 @@ def columns(max_ngram: int) -> int:
 def _verify(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, drafts: jax.Array,
             n: jax.Array, live: jax.Array, general: jax.Array, logq: jax.Array | None, seeds: jax.Array,
             rs: RowSampling, width: int, sampled: bool, taps: tuple[int, ...] = (),
-            parents: jax.Array | None = None):
+            parents: jax.Array | None = None, sampled_trees: bool = False):
     """Score [last, d1 .. d_{W-1}] for every row [R] and commit each row's accepted prefix
     (rows where `general` is set by the rule for sampled drafts, with their logq). With
     `parents` [R, >= W] the drafts are trees (`specjax.trees`; a chain row's parents are
-    i - 1): each row commits its accepted path, whose keys and values move to the row's
-    next positions; `general` rows then take `tree_accept.accept_tree_rows`, logq[:, i]
+    i - 1): each row commits its accepted path (the caller moves its keys and values to
+    the row's next positions, `compact_paths`); with `sampled_trees` (static: some row's
+    sampled drafts may branch) `general` rows take `tree_accept.accept_tree_rows`, logq[:, i]
     the q that node i's children were drawn from (for a chain: draft i + 1's, as without
-    parents).
+    parents), else `sampling.accept_rows` (the same on chains, less to compile).
 
     Returns (tokens [R, SPAN]: t_1 .. t_W, count [R] = accepted + 1 (0 for rows not live),
-    nan flag over live rows, cache, the target's taps [n, R, W, D] or None, path [R, W]
-    (the accepted path's nodes; the identity for chains))."""
+    nan flag over live rows, cache, the target's taps [n, R, W, D] or None, path [R, SPAN]
+    (the accepted path's nodes, then the node ids; the identity for chains))."""
     rows = last.shape[0]
     start = kv.lengths
     drafts = jnp.pad(drafts, ((0, 0), (0, max(0, width - 1 - drafts.shape[1]))))[:, :width - 1]
@@ -95,7 +96,7 @@ def _verify(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, draf
     logits = unembed(params, cfg, h)  # [R, W, V]
     flat = smp.target_tokens_rows(logits.reshape(rows * width, -1), (positions + 1).reshape(-1),
                                   jnp.repeat(seeds, width), rs.repeat(width), sampled)
-    out = flat.reshape(rows, width)
+    out = own = flat.reshape(rows, width)
     if parents is None:
         ok = (tokens[:, 1:] == out[:, :-1]) & (jnp.arange(width - 1) < n[:, None])
         accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
@@ -105,29 +106,35 @@ def _verify(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, draf
         out = jnp.take_along_axis(out, path, axis=1)
     if logq is not None and width > 1:
         lq = jnp.pad(logq, ((0, 0), (0, max(0, width - 1 - logq.shape[1])), (0, 0)))[:, :width - 1]
-        if parents is None:
-            g_out, g_accepted = smp.accept_rows(logits, drafts, lq, n, positions + 1, seeds, rs)
+        if parents is None or not sampled_trees:
+            g_out, g_accepted = smp.accept_rows(logits, drafts, lq, n, positions + 1, seeds, rs, own)
             g_path = steps_at
         else:  # trees of sampled drafts (on a chain bitwise accept_rows): lq[:, i] is node i's children's q
             g_path, g_accepted, g_out = accept_tree_rows(logits, tokens, parents, jnp.minimum(n, width - 1),
                                                          jnp.pad(lq, ((0, 0), (0, 1), (0, 0))), positions + 1,
-                                                         seeds, rs)
+                                                         seeds, rs, own)
         out = jnp.where(general[:, None], g_out, out)
         accepted = jnp.where(general, g_accepted, accepted)
         path = jnp.where(general[:, None], g_path, path)
     count = jnp.where(live, accepted + 1, 0)
     bad = jnp.any(jnp.isnan(logits).any(axis=(1, 2)) & live)
-    if parents is not None:  # the accepted paths become plain prefixes
-        moved = jnp.any((path != steps_at) & (steps_at < count[:, None]))
-        k_pool, v_pool = jax.lax.cond(
-            moved, lambda: trees.compact(kv.k, kv.v, kv.page_table, kv.page_size, start, path,
-                                         partial(write_layer, page_size=kv.page_size)),
-            lambda: (kv.k, kv.v))
-        kv = kv.replace(k=k_pool, v=v_pool)
-        if tapped is not None:
-            tapped = jnp.take_along_axis(tapped, path[None, :, :, None], axis=2)
     path = jnp.concatenate([path, jnp.broadcast_to(jnp.arange(width, SPAN), (rows, SPAN - width))], axis=1)
     return jnp.pad(out, ((0, 0), (0, SPAN - width))), count, bad, kv, tapped, path
+
+
+def compact_paths(kv: KVCache, path: jax.Array, count: jax.Array) -> KVCache:
+    """The cache with each row's accepted tree path [R, SPAN] (`_verify`) moved to the
+    row's next positions, so later steps see a plain prefix. Runs once after the step,
+    whatever its width, and only when some row's path left its first nodes: entries past
+    a row's count are rolled back, and the engine keeps SPAN positions of room past every
+    row's budget, so moving all SPAN entries never touches another row's pages."""
+    ids = jnp.arange(path.shape[1])[None, :]
+    moved = jnp.any((path != ids) & (ids < count[:, None]))
+    k_pool, v_pool = jax.lax.cond(
+        moved, lambda: trees.compact(kv.k, kv.v, kv.page_table, kv.page_size, kv.lengths, path,
+                                     partial(write_layer, page_size=kv.page_size)),
+        lambda: (kv.k, kv.v))
+    return kv.replace(k=k_pool, v=v_pool)
 
 
 def _rates(state: dict, column: jax.Array) -> jax.Array:
@@ -216,6 +223,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
 
     t_nodes = min(tree, k)  # a tree has at most as many nodes as a chain has drafts
     f_nodes = min(tree, fk)
+    sampled_trees = bool(f_nodes) and sample_drafts  # only sampled DFlash drafts branch
 
     def branch(width):
         def go(carry, size, last, candidates, logqs, first, first_logq, src, n, live, subset, parents):
@@ -233,7 +241,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             drafts = _by_source(src, candidates)
             logq = _by_source(src - 1, logqs) if sample_drafts and models else None
             out, count, bad, kv, tapped, path = _verify(params, cfg, kv, last, drafts, n, live, (src > 0) & drawn,
-                                                        logq, seeds, rs, width, sampled, taps, parents)
+                                                        logq, seeds, rs, width, sampled, taps, parents,
+                                                        sampled_trees)
             if tapped is not None:  # padded to SPAN, so every width returns one shape
                 tapped = jnp.pad(tapped, ((0, 0), (0, 0), (0, SPAN - width), (0, 0)))
             return (out, count, bad, model_drafts, tapped, path), (kv, dkv)
@@ -365,6 +374,10 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         (out, count, nan, model_drafts, tapped, path), (kv, dkv) = steps.switch(
             pick, [branch(w) for w in widths], (kv, dkv), size, last, candidates, logqs, first, first_logq,
             src, n, live, subset, parents)
+        if t_nodes:  # the accepted paths become plain prefixes (taps past the width are stale anyway)
+            kv = compact_paths(kv, path, count)
+            if tapped is not None:
+                tapped = jnp.take_along_axis(tapped, path[None, :, :, None], axis=2)
         on_path = jnp.arange(SPAN)[None, :] < count[:, None]
         branched = jnp.any(on_path & ~jnp.take_along_axis(main, path, axis=1), axis=1)
         if fcfg is not None:  # (taps past the step's width are stale: positions nothing has committed)

@@ -293,20 +293,19 @@ def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Arra
     full = sampled & ((top_k > 0) | (rs.top_p < 1.0)) & ~fits
     plain = sampled & (top_k == 0) & (rs.top_p >= 1.0)
 
-    def vocabulary(sort: bool):
-        def go(_):
-            noise = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
-            if not sort:
-                return jnp.argmax(_min_p_rows(x, rs.min_p) + noise, axis=-1).astype(jnp.int32)
+    def vocabulary(_):  # one draw of noise over V serves both whole-vocabulary paths
+        noise = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
+        by_min_p = jnp.argmax(_min_p_rows(x, rs.min_p) + noise, axis=-1).astype(jnp.int32)
+
+        def by_sort(_):
             desc = -jnp.sort(-x, axis=-1)
             kth_v = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=-1)
             y = jnp.where((top_k[:, None] > 0) & (x < kth_v), -jnp.inf, x)
             return jnp.argmax(_top_p_min_p_rows(y, rs.top_p, rs.min_p) + noise, axis=-1).astype(jnp.int32)
-        return go
 
-    none = lambda _: greedy  # noqa: E731 (a branch for when no row takes the path)
-    by_min_p = jax.lax.cond(jnp.any(plain), vocabulary(False), none, None)
-    by_sort = jax.lax.cond(jnp.any(full), vocabulary(True), none, None)
+        return by_min_p, jax.lax.cond(jnp.any(full), by_sort, lambda _: greedy, None)
+
+    by_min_p, by_sort = jax.lax.cond(jnp.any(plain | full), vocabulary, lambda _: (greedy, greedy), None)
     return jnp.where(full, by_sort, jnp.where(plain, by_min_p, jnp.where(fits & sampled, candidates, greedy)))
 
 
@@ -322,19 +321,21 @@ def target_tokens_rows(logits: jax.Array, positions: jax.Array, seeds: jax.Array
 
 
 def accept_rows(logits: jax.Array, drafts: jax.Array, logq: jax.Array, n: jax.Array, positions: jax.Array,
-                seeds: jax.Array, rs: RowSampling) -> tuple[jax.Array, jax.Array]:
+                seeds: jax.Array, rs: RowSampling, own: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """`accept_sampled` for R rows with their own settings: logits [R, W, V], sampled
     drafts [R, W-1] (first n [R] real) with their draft log-probs logq [R, W-1, V],
     positions [R, W] (absolute position each target row decides), seeds [R].
 
     Draft i is accepted with probability min(1, p_i(d)/q_i(d)); the first rejection is
     replaced by a draw from normalize(max(p_i - q_i, 0)); after n acceptances the bonus is
-    the target's own position-keyed token. Returns (tokens [R, W], accepted [R])."""
+    the target's own position-keyed token. `own` [R, W]: those tokens (`target_tokens_rows`
+    at these positions) where the caller has them already. Returns (tokens [R, W], accepted [R])."""
     r, w, v = logits.shape
     flat = rs.repeat(w)
     logp = transform_rows(logits.reshape(r * w, v), flat).reshape(r, w, v)
-    own = target_tokens_rows(logits.reshape(r * w, v), positions.reshape(-1), jnp.repeat(seeds, w), flat,
-                             True).reshape(r, w)
+    if own is None:
+        own = target_tokens_rows(logits.reshape(r * w, v), positions.reshape(-1), jnp.repeat(seeds, w), flat,
+                                 True).reshape(r, w)
 
     def one(logp, logq, drafts, n, positions, seed, own):
         k = w - 1

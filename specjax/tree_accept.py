@@ -123,8 +123,8 @@ def _walk_row(logp: jax.Array, logq: jax.Array, tokens: jax.Array, parents: jax.
 
 
 def accept_tree_rows(logits: jax.Array, tokens: jax.Array, parents: jax.Array, n: jax.Array, logq: jax.Array,
-                     positions: jax.Array, seeds: jax.Array,
-                     rs: RowSampling) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     positions: jax.Array, seeds: jax.Array, rs: RowSampling,
+                     own: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The accepted path of each row's tree of SAMPLED drafts, by recursive rejection
     sampling without replacement (module docstring); the committed tokens follow the
     target's law exactly for any draft distributions.
@@ -142,7 +142,8 @@ def accept_tree_rows(logits: jax.Array, tokens: jax.Array, parents: jax.Array, n
     From the root, children are tried in id order: accepted with probability min(1,
     p(c)/q(c)); on rejection p <- normalize(max(p - q, 0)) and q <- q without c; after
     the last rejection a draw from p (stream RESIDUAL at the node's position); at a node
-    without real children the target's own token (`target_tokens_rows`).
+    without real children the target's own token (`target_tokens_rows`; `own` [R, W]: those
+    tokens where the caller has them already).
 
     Returns (path [R, W]: the accepted nodes from the root, padded past the end with the
     node ids as `trees.walk` does; accepted [R]: drafted nodes on it; out [R, W]: the
@@ -151,8 +152,9 @@ def accept_tree_rows(logits: jax.Array, tokens: jax.Array, parents: jax.Array, n
     r, w, v = logits.shape
     flat = rs.repeat(w)
     logp = transform_rows(logits.reshape(r * w, v), flat).reshape(r, w, v)
-    own = target_tokens_rows(logits.reshape(r * w, v), positions.reshape(-1), jnp.repeat(seeds, w), flat,
-                             True).reshape(r, w)
+    if own is None:
+        own = target_tokens_rows(logits.reshape(r * w, v), positions.reshape(-1), jnp.repeat(seeds, w), flat,
+                                 True).reshape(r, w)
     greedy = rs.temperature <= 0
     return jax.vmap(_walk_row)(logp, logq.astype(jnp.float32), tokens.astype(jnp.int32), parents.astype(jnp.int32),
                                n.astype(jnp.int32), positions, seeds, own, greedy)
