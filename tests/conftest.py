@@ -150,7 +150,9 @@ def running(app):
     from specjax.server import bind
 
     sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    # keep-alive past any pause between a test's requests: uvicorn drops a connection idle
+    # for 5 s, and a client (max_retries=0) that sends on it just then reads a reset
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=600))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
