@@ -163,8 +163,9 @@ def _cache_holds_committed(engine, req, keys) -> None:
 
 def test_tree_rows_equal_their_plain_run_alone(pair, engine, rng):
     """Budgets 2, 5 and 15, greedy and sampled rows in one batch, a stop id inside what a
-    path may accept, max_new_tokens ending mid-path; then batch 1. (The last row decodes
-    plainly, one token a round, and longest: the batch keeps its 4 rows, one compile.)"""
+    path may accept, max_new_tokens ending mid-path; after every call the draft cache
+    holds exactly the committed tokens; then batch 1. (The last row decodes plainly, one
+    token a round, and longest: the batch keeps its 4 rows, one compile.)"""
     target, draft = pair
     v = target.config.vocab_size
     prompts = [rng.integers(0, v, int(n)) for n in rng.integers(6, 20, 4)]
@@ -179,7 +180,11 @@ def test_tree_rows_equal_their_plain_run_alone(pair, engine, rng):
     reqs = [engine.submit(p, max_new_tokens=n, sampling=s, seed=sd, stop_ids=st, tree=t, lookup=False,
                           k=15 if t else 0)
             for p, n, s, sd, st, t in zip(prompts, news, settings, seeds, stops, budgets)]
-    engine.run()
+    keys = _fresh_keys(draft)
+    while engine.has_work():  # no row drafts a chain here: the draft cache after tree rounds alone
+        engine.step()
+        for r in engine.running:
+            _cache_holds_committed(engine, r, keys)
     assert [r.tokens for r in reqs] == want
     assert all(r.stats.drafted > 0 for r in reqs[:3])
     one = Engine(target, Speculation(k=15, tree=5, adaptive=False), draft=draft, max_batch=1, max_len=256)
