@@ -198,12 +198,12 @@ def draft_tree(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, logits: jax.Arr
         score = put(score, scores)
         parent = put(parent, jnp.repeat(frontier, width, axis=1))
         main = put(main, (jnp.take_along_axis(main, frontier, axis=1)[:, :, None] & (lane == 0)).reshape(rows, -1))
-        _, best = jax.lax.top_k(scores, width)
-        return dkv, token, score, parent, main, first + best.astype(jnp.int32), jnp.take_along_axis(own, best // width,
-                                                                                                     axis=1)
+        _, best = jax.lax.top_k(scores, width)  # the next frontier, and its ancestors: its parents' and theirs
+        return (dkv, token, score, parent, main, first + best.astype(jnp.int32),
+                jnp.take_along_axis(own, best // width, axis=1))
 
-    dkv, token, score, parent, main, _, _ = jax.lax.fori_loop(1, 1 + jnp.minimum(levels, depth - 1), level, (dkv, token, score, parent, main,
-                                                                                     frontier, above))
+    carry = (dkv, token, score, parent, main, frontier, above)
+    dkv, token, score, parent, main, _, _ = jax.lax.fori_loop(1, 1 + jnp.minimum(levels, depth - 1), level, carry)
     best, pick = jax.lax.top_k(score, min(nodes, count))  # ties: the lower index, so a parent first
     take = lambda x: jnp.take_along_axis(x, pick, axis=1)  # noqa: E731
     ranked = {"token": take(token), "parent": take(parent) + 1, "trie": (pick + 1).astype(jnp.int32),
