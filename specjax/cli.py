@@ -64,8 +64,9 @@ def _add_speculation(p) -> None:
     spec.add_argument("--sample-drafts", action="store_true",
                       help="sample draft-model / DFlash tokens (general acceptance rule)")
     spec.add_argument("--tree", type=int, default=0, metavar="N",
-                      help="prompt lookup drafts a tree of up to N nodes where earlier matches continue "
-                           "differently, verified in one step (0: chains)")
+                      help="draft trees of up to N nodes, verified in one step (0: chains): prompt lookup where "
+                           "earlier matches continue differently, a draft model's (greedy drafts) and a DFlash "
+                           "drafter's best nodes")
 
 
 def _add_generate(sub) -> None:
@@ -276,10 +277,12 @@ def _proposer(args, target):
         chosen.append((NgramProposer(k=15 if args.speculate == "auto" else args.speculate, tree=args.tree), "auto"))
     if args.draft is not None:
         k = 7 if args.draft_k == "auto" else args.draft_k
-        chosen.append((DraftProposer(load(args.draft, target.dtype), k=k, sample=args.sample_drafts), args.draft_k))
+        chosen.append((DraftProposer(load(args.draft, target.dtype), k=k, sample=args.sample_drafts, tree=args.tree),
+                       args.draft_k))
     if args.dflash is not None:
         k = None if args.dflash_k in (None, "auto") else args.dflash_k
-        chosen.append((DFlashProposer(load_dflash(args.dflash, target), k=k, sample=args.sample_drafts), args.dflash_k))
+        chosen.append((DFlashProposer(load_dflash(args.dflash, target), k=k, sample=args.sample_drafts, tree=args.tree),
+                       args.dflash_k))
     # default: adaptive prompt lookup, plus the shipped sibling drafters off CPU. Measured
     # (docs/performance.md, section 4): on CPU a DFlash round costs ~2.9 plain rounds, so
     # the shipped drafter (tau ~2) loses to plain decoding and to lookup alone.
@@ -288,9 +291,9 @@ def _proposer(args, target):
         model_dir = args.model or default_model()
         if jax.default_backend() != "cpu":
             if (draft := _sibling(model_dir, "draft")) is not None:
-                chosen.append((DraftProposer(load(draft, target.dtype), k=7), "auto"))
+                chosen.append((DraftProposer(load(draft, target.dtype), k=7, tree=args.tree), "auto"))
             if (dflash := _sibling(model_dir, "dflash")) is not None:
-                chosen.append((DFlashProposer(load_dflash(dflash, target)), "auto"))
+                chosen.append((DFlashProposer(load_dflash(dflash, target), tree=args.tree), "auto"))
     if len(chosen) > 1 or chosen[0][1] == "auto":  # (prompt lookup's is always "auto")
         return Adaptive(*(p for p, _ in chosen))
     return chosen[0][0]

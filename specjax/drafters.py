@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from . import cpu_kernels
+from . import cpu_kernels, trees
 from . import kv as kvlib
 from . import sampling as smp
 from .checkpoint import LAYERS, Params
@@ -117,6 +117,101 @@ def chain(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, first: jax.Array, fi
 
     dkv, drafts, logq = jax.lax.fori_loop(1, 1 + n_steps, body, (dkv, drafts, logq))
     return drafts, logq, dkv
+
+
+TREE_FRONTIER = 4  # nodes a draft-model tree expands per depth (EAGLE-2's top-k)
+
+
+def draft_tree_shape(nodes: int) -> tuple[int, int]:
+    """(frontier K, depth D) of a draft-model tree of at most `nodes` nodes (`draft_tree`):
+    K = min(TREE_FRONTIER, nodes) nodes expanded per depth, and as deep as the budget (a
+    confident draft's best tree is its chain) while the (D - 1) * K fed nodes fit one
+    32-slot ancestor window (`qwen3.visible`): D = min(nodes, 1 + 32 // K)."""
+    width = min(TREE_FRONTIER, nodes)
+    return width, min(nodes, 1 + trees.MAX_NODES // width)
+
+
+def draft_tree_slots(nodes: int) -> int:
+    """Draft-cache slots past a row's committed tokens that its tree of `nodes` writes."""
+    width, depth = draft_tree_shape(nodes)
+    return (depth - 1) * width
+
+
+def draft_tree_capacity(nodes: int) -> int:
+    """Candidate entries of a draft-model tree of `nodes` (`draft_tree`), the root first."""
+    width, depth = draft_tree_shape(nodes)
+    return 1 + width + (depth - 1) * width * width
+
+
+def draft_tree(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, logits: jax.Array, size: jax.Array, nodes: int,
+               levels: jax.Array) -> tuple[dict, jax.Array, jax.Array, KVCache]:
+    """A draft model's best tree of `nodes` (static) greedy drafts after each row's
+    committed tokens (EAGLE-2, Li et al. 2024, arXiv:2406.16858: a dynamic tree by
+    cumulative draft log-probability).
+
+    logits [R, V]: the draft's logits after the row's last committed token (at position
+    size - 1; the cache holds positions 0 .. size - 1). Depth 1's candidates are the top
+    K tokens of their log-softmax (K, D: `draft_tree_shape`). Then `levels` times (traced;
+    D - 1 at most): the frontier, the K candidates of the newest depth with the highest
+    cumulative log-probability (the path's summed log-softmax), goes through the draft
+    model in one step, each node at its depth's position and attending to the committed
+    tokens, its ancestors and itself (`qwen3.hidden_states` with ancestor bits), and each
+    frontier node's top K tokens become the next depth's K * K candidates. The frontier of
+    depth l is written at slots size + (l - 1) K + j (j < K), which later rounds
+    overwrite (the caller keeps none of them). Every candidate is then ranked by its
+    cumulative log-probability; a child adds a log-prob <= 0 to its parent's and comes
+    later in candidate order, which breaks ties, so a node never ranks above its parent
+    and any first n of the ranking is a tree (`trees.arrange` lays it out). "main" marks
+    the draft's greedy chain (each node its parent's argmax child) as far as the
+    candidates hold it.
+
+    Returns ({"token", "parent" (candidate index, the root 0), "trie", "depth", "main",
+    "valid"} each [R, min(nodes, candidates)], over `draft_tree_capacity(nodes)` entries;
+    the greedy chain [R, D]; its length among the candidates [R]; the draft cache)."""
+    rows = logits.shape[0]
+    width, depth = draft_tree_shape(nodes)
+    count = draft_tree_capacity(nodes) - 1
+    cand_depth = np.concatenate([np.ones(width, np.int32)] + [np.full(width * width, d, np.int32)
+                                                              for d in range(2, depth + 1)])
+    top, tok = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), width)
+    token = jnp.zeros((rows, count), jnp.int32).at[:, :width].set(tok.astype(jnp.int32))
+    score = jnp.full((rows, count), -jnp.inf, jnp.float32).at[:, :width].set(top)
+    parent = jnp.full((rows, count), -1, jnp.int32)  # candidate index of the parent; -1: the root
+    main = jnp.zeros((rows, count), bool).at[:, 0].set(True)
+    frontier = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))  # candidate indices
+    above = jnp.zeros((rows, width), jnp.uint32)  # a frontier node's ancestors: bit o = slot size + o
+    lane = jnp.arange(width)
+
+    def level(l, c):
+        dkv, token, score, parent, main, frontier, above = c
+        at = size + (l - 1) * width  # this depth's slots
+        own = above | jnp.left_shift(jnp.uint32(1), ((l - 1) * width + lane).astype(jnp.uint32))[None, :]
+        h, dkv, _ = hidden_states(dparams, dcfg, jnp.take_along_axis(token, frontier, axis=1),
+                                  jnp.broadcast_to((size + l - 1)[:, None], (rows, width)), dkv,
+                                  sees=at[:, None] + lane, ancestors=jax.lax.bitcast_convert_type(own, jnp.int32),
+                                  at=at, base=size)
+        lp, child = jax.lax.top_k(jax.nn.log_softmax(unembed(dparams, dcfg, h), axis=-1), width)  # [R, K, K]
+        scores = (jnp.take_along_axis(score, frontier, axis=1)[:, :, None] + lp).reshape(rows, -1)
+        first = width + (l - 1) * width * width  # the block of depth l + 1, parent-major
+        put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new, first, axis=1)  # noqa: E731
+        token = put(token, child.reshape(rows, -1).astype(jnp.int32))
+        score = put(score, scores)
+        parent = put(parent, jnp.repeat(frontier, width, axis=1))
+        main = put(main, (jnp.take_along_axis(main, frontier, axis=1)[:, :, None] & (lane == 0)).reshape(rows, -1))
+        _, best = jax.lax.top_k(scores, width)  # the next frontier, and its ancestors: its parents' and theirs
+        return (dkv, token, score, parent, main, first + best.astype(jnp.int32),
+                jnp.take_along_axis(own, best // width, axis=1))
+
+    carry = (dkv, token, score, parent, main, frontier, above)
+    dkv, token, score, parent, main, _, _ = jax.lax.fori_loop(1, 1 + jnp.minimum(levels, depth - 1), level, carry)
+    best, pick = jax.lax.top_k(score, min(nodes, count))  # ties: the lower index, so a parent first
+    take = lambda x: jnp.take_along_axis(x, pick, axis=1)  # noqa: E731
+    ranked = {"token": take(token), "parent": take(parent) + 1, "trie": (pick + 1).astype(jnp.int32),
+              "depth": jnp.asarray(cand_depth)[pick], "main": take(main), "valid": best > -jnp.inf}
+    by_depth = jnp.asarray(cand_depth[:, None] == np.arange(1, depth + 1)[None, :], jnp.int32)  # [C, D]
+    on_chain = (main & (score > -jnp.inf)).astype(jnp.int32)
+    greedy = jnp.einsum("rc,cd->rd", on_chain * token, by_depth)
+    return ranked, greedy, jnp.sum(on_chain, axis=1).astype(jnp.int32), dkv
 
 
 def write_context(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, taps: jax.Array, start: jax.Array) -> KVCache:

@@ -25,7 +25,7 @@ from . import steps
 from .checkpoint import weight_bytes
 from .costs import StepCosts, block_cost, chain_cost, prior_costs
 from .dflash import Drafter, fit_problems
-from .drafters import DFlashCache, draft_head
+from .drafters import DFlashCache, draft_head, draft_tree_slots
 from .kv import KVCache
 from .lookup import MAX_NGRAM
 from .results import PREFILL_CHUNK, GenerateResult, GenerationError, Stats, token_ids, validate
@@ -53,7 +53,9 @@ class Speculation:
     drafter: the block's best tree (`drafters.block_tree`) for deterministic drafts, and
     for sampled ones a tree of fixed shape, the chain plus second children drawn without
     replacement (`drafters.sampled_tree`, verified by `tree_accept.accept_tree_rows`);
-    0: chains."""
+    and so does a draft model for greedy drafts: its best tree by cumulative draft
+    log-probability (`drafters.draft_tree`, EAGLE-2; sampled draft-model drafts stay
+    chains). One budget covers every proposer's trees; 0: chains."""
 
     k: int = 15
     max_ngram: int = 3
@@ -65,7 +67,7 @@ class Speculation:
         check_k(self.k, SPAN - 1)
         check_ngram(self.max_ngram, self.min_ngram, MAX_NGRAM)
         if isinstance(self.tree, bool) or not isinstance(self.tree, int) or not 0 <= self.tree <= SPAN - 1:
-            raise ProposerError(f"tree must be an integer in [0, {SPAN - 1}] (nodes of a lookup tree; 0: chains), "
+            raise ProposerError(f"tree must be an integer in [0, {SPAN - 1}] (nodes of a draft tree; 0: chains), "
                                 f"got {self.tree!r}")
 
 
@@ -88,7 +90,7 @@ class Request:
                  tree: int = 0):
         self.engine, self.id, self.prompt = engine, rid, prompt
         self.max_new_tokens, self.sampling, self.seed, self.stops, self.k = max_new_tokens, sampling, seed, stops, k
-        self.tree = tree  # nodes of its lookup trees (0: chains)
+        self.tree = tree  # nodes of its draft trees (0: chains)
         self.use = use  # may take (lookup or host, draft-model, DFlash) drafts
         self.drafter = drafter
         self.tokens: list[int] = []
@@ -210,8 +212,10 @@ class Engine:
         self.max_batch, self.page_size, self.n_rounds = max_batch, page_size, rounds
         self.join_rounds = max(1, rounds // 4)
         self.max_len = max_len
-        # slots a row may write past its length in a round: a verify step, a DFlash block
-        self.margin = max(SPAN, dflash.config.block_size if dflash is not None else 0)
+        # slots a row may write past its length in a round: a verify step, a DFlash block, a draft model's tree
+        self.margin = max(SPAN, dflash.config.block_size if dflash is not None else 0,
+                          draft_tree_slots(min(self.spec.tree, self.compiled_k)) if draft is not None and
+                          self.spec.tree and self.k else 0)
         self.pages_per_row = -(-(max_len + self.margin) // page_size)
         num_pages = max_batch * self.pages_per_row + 1 if num_pages is None else num_pages
         self.pages = PageAllocator(num_pages, page_size)
@@ -249,7 +253,7 @@ class Engine:
         say whether it may take prompt-lookup, draft-model and DFlash drafts; a `drafter` (a Python
         proposer) replaces prompt lookup for this request (one round per device call while
         it runs); tree (at most the engine's `Speculation.tree`, default it) the nodes of
-        its lookup trees, 0 for chains."""
+        its trees (lookup, draft-model or DFlash, whichever a round drafts), 0 for chains."""
         ids = token_ids(ids)
         validate(self.model, ids, max_new_tokens, None, seed)
         if not isinstance(sampling, Sampling):
@@ -585,8 +589,8 @@ def engine_options(speculative: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     DFlashProposer: drafts of their fixed k each step (what they mean on their own); an
     Adaptive (at most one of each): the engine chooses among them per row and round; a
     `HostDrafter`: that object drafts for each request, up to 15 drafts a round. The
-    engine's `Speculation.tree` is the largest `tree` of the NgramProposer and the
-    DFlashProposer (one node budget for the lookup and DFlash trees of a row).
+    engine's `Speculation.tree` is the largest `tree` of its proposers (one node budget
+    for the lookup, draft-model and DFlash trees of a row).
     """
     from .adaptive import Adaptive
     from .proposers import DFlashProposer, DraftProposer, NgramProposer
@@ -609,8 +613,7 @@ def engine_options(speculative: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     ngram = lookups[0] if lookups else NgramProposer()
     options: dict[str, Any] = {"speculative": Speculation(max(p.k for p in parts), ngram.max_ngram, ngram.min_ngram,
                                                           adaptive=adaptive,
-                                                          tree=max(p.tree for p in lookups + blocks) if lookups + blocks
-                                                          else 0)}
+                                                          tree=max(p.tree for p in parts))}
     if drafts:
         options["draft"] = drafts[0].model
     if blocks:

@@ -83,17 +83,28 @@ class DraftProposer:
     transformed distribution q and verified by the general acceptance rule; otherwise
     drafts are the draft model's greedy tokens (a deterministic proposer). The engine
     checks that the vocabularies match.
+
+    tree > 0: greedy drafts form a tree of up to that many nodes (at most as many as the
+    chain would have drafts) instead of a chain, verified in one step: the draft model's
+    best nodes by cumulative log-probability (EAGLE-2, `specjax.drafters.draft_tree`:
+    each depth one draft step over a frontier of the min(4, tree) best nodes, each
+    expanded by its top tokens, then the best `tree` of all nodes kept), so where the
+    draft is unsure the tree holds its runners-up. Output is still exactly plain
+    decoding's (greedy and sampled targets: the drafts are deterministic). Sampled drafts
+    (sample=True) stay chains. 0: chains.
     """
 
     model: Model
     k: int = 4
     sample: bool = False
+    tree: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, Model):
             raise ProposerError(f"DraftProposer needs a loaded model (specjax.load(folder)), "
                                 f"got {type(self.model).__name__}")
         check_k(self.k, steps.BUCKETS[-1] - 1)
+        _check_tree(self.tree)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

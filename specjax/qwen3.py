@@ -125,10 +125,12 @@ def _attend_layer(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax
 
 def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
            cache: tuple | None, layer: jax.Array, sees: jax.Array | None = None,
-           ancestors: jax.Array | None = None) -> tuple[jax.Array, tuple | None]:
+           ancestors: jax.Array | None = None, at: jax.Array | None = None,
+           base: jax.Array | None = None) -> tuple[jax.Array, tuple | None]:
     """One decoder layer; returns the new residual stream and the updated pools. With a
-    cache, query t attends to the positions up to sees[:, t] (default: its own), of the
-    step's own positions only those in ancestors[:, t] (`visible`; default: all)."""
+    cache, the step's tokens are written from slot at [B] on (default positions[:, 0]) and
+    query t attends to the positions up to sees[:, t] (default: its own), of the 32 from
+    base [B] on (default: at) only those in ancestors[:, t] (`visible`; default: all)."""
     b, t, _ = x.shape
     hd, nh, nk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     h = rms_norm(x, lp["input_layernorm.weight"], cfg.rms_norm_eps)
@@ -143,10 +145,11 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
         attn = attend_causal(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions)
     else:
         k_pool, v_pool, page_table, page_size, slots = cache
-        k_pool, v_pool = kvlib.write_layer(k_pool, v_pool, layer, k, v, page_table, positions[:, 0], page_size)
+        at = positions[:, 0] if at is None else at
+        k_pool, v_pool = kvlib.write_layer(k_pool, v_pool, layer, k, v, page_table, at, page_size)
         limit = positions if sees is None else sees
         bits = jnp.full(positions.shape, ALL_BITS, jnp.int32) if ancestors is None else ancestors
-        view = (slots, limit, positions[:, 0], bits)
+        view = (slots, limit, at if base is None else base, bits)
         if cpu_kernels.applies(q, k_pool):
             attn = cpu_kernels.paged_attention(q, k_pool, v_pool, layer, *view, _attend_layer)
         else:
@@ -158,7 +161,8 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
 
 def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Array,
                   kv: kvlib.KVCache | None = None, taps: tuple[int, ...] = (), sees: jax.Array | None = None,
-                  ancestors: jax.Array | None = None) -> tuple[jax.Array, kvlib.KVCache | None, jax.Array | None]:
+                  ancestors: jax.Array | None = None, at: jax.Array | None = None, base: jax.Array | None = None
+                  ) -> tuple[jax.Array, kvlib.KVCache | None, jax.Array | None]:
     """Final-normed hidden states [B, T, D], the updated cache, and taps [n, B, T, D].
 
     taps[i] is the residual stream after layer taps[i] (transformers' hidden_states[id + 1];
@@ -168,7 +172,10 @@ def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions
     its own (a DFlash block: every block row sees the whole block). A tree step (with a
     cache) writes node i at position positions[:, 0] + i, takes positions (RoPE) = that
     start + the node's depth, sees = start + i, and ancestors [B, T] int32: bit j set when
-    node j is node t's ancestor or itself (`trees.ancestor_bits`).
+    node j is node t's ancestor or itself (`trees.ancestor_bits`). A step over part of a
+    tree (a draft model's tree, one depth a step: `drafters.draft_tree`) writes its tokens
+    from slot `at` [B] on instead of positions[:, 0], and bit j of ancestors is slot
+    base [B] + j (default: at).
     """
     x = cpu_kernels.rows(params["model.embed_tokens.weight"], tokens)
     cache = None if kv is None else (kv.k, kv.v, kv.page_table, kv.page_size)
@@ -177,7 +184,7 @@ def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions
         x, pools = carry
         lp, layer = xs
         c = None if pools is None else (*pools, kv.page_table, kv.page_size, slots)
-        x, c = _layer(cfg, lp, x, positions, c, layer, sees, ancestors)
+        x, c = _layer(cfg, lp, x, positions, c, layer, sees, ancestors, at, base)
         return (x, None if c is None else c[:2]), (x if taps else None)
 
     pools = None if cache is None else cache[:2]

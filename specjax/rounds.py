@@ -5,8 +5,10 @@ One round, for every row at once:
    occurrence of its longest suffix of max_ngram .. min_ngram tokens) and the engine's
    model proposers (`specjax.drafters`): a draft model, fed the row's newly committed
    tokens (1-2 after a round it drafted, up to a round's worth otherwise), which gives d1,
-   chained W - 2 more steps when the round uses it; a DFlash drafter, one block pass over
-   its context rows when the round uses it;
+   chained W - 2 more steps when the round uses it (and some row takes it as a chain), or
+   for rows with a tree budget its best tree (`drafters.draft_tree`: one draft step per
+   depth over a frontier of the best nodes); a DFlash drafter, one block pass over its
+   context rows when the round uses it;
 2. choose: one verify width W for the step, which model proposers run, and each row's
    proposer and drafts, so that the batch's expected committed tokens per second is
    largest. A row's expected tokens come from its own acceptance per proposer (first and
@@ -19,7 +21,10 @@ One round, for every row at once:
    general rule (`sampling.accept_rows`; where the engine drafts trees, recursive
    rejection sampling without replacement, `tree_accept.accept_tree_rows`, the same on
    chains). A row with a tree budget drafts a tree instead of a chain: lookup rows the
-   trie of their matches, DFlash rows the block's best tree (deterministic drafts) or,
+   trie of their matches, draft-model rows with greedy drafts the model's best nodes by
+   cumulative log-probability (EAGLE-2; a tree round keeps none of its fed drafts in the
+   draft cache, whose next feed re-feeds what was committed), DFlash rows the block's
+   best tree (deterministic drafts) or,
    for sampled drafts, a tree whose shape the node budget alone fixes
    (`drafters.sampled_tree`: the chain plus second children, drawn without replacement at
    the shallowest depths; never a function of the round's draws, which the rule's
@@ -45,7 +50,8 @@ from . import steps, trees
 from .checkpoint import Params
 from .config import Qwen3Config
 from .dflash import DFlashConfig
-from .drafters import DFlashCache, Head, block_drafts, chain, draft_token, feed, sampled_tree, stash, tree_capacity
+from .drafters import (DFlashCache, Head, block_drafts, chain, draft_token, draft_tree, draft_tree_capacity, feed,
+                       sampled_tree, stash, tree_capacity)
 from .kv import KVCache, write_layer
 from .lookup import ACCEPT_DECAY, PRIOR_ACCEPT, PSEUDO, capacity, expected_tokens, find, tree as lookup_tree
 from .qwen3 import hidden_states, unembed
@@ -199,8 +205,12 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     sampled (`drafters.block_tree`, verified by `trees.walk`), and when they are a tree
     whose shape only the node budget fixes (`drafters.sampled_tree`: the chain's own draws
     plus second children, drawn without replacement from the same block rows, verified by
-    `tree_accept.accept_tree_rows`), at most as many nodes as the chain would have drafts
-    (and row_tree).
+    `tree_accept.accept_tree_rows`), and a row taking greedy draft-model drafts the draft
+    model's best tree (`drafters.draft_tree`, EAGLE-2: a frontier of the best nodes by
+    cumulative log-prob expanded one draft step per depth, run in place of the chain when
+    no row takes the chain; its nodes sit at scratch slots of the draft cache, which
+    keeps none of them), at most as many nodes as the chain would have drafts (and
+    row_tree).
     Returns (log, nan flag, cache, draft cache, DFlash pools, state); log holds "tokens"
     [n_rounds, R, SPAN], "counts" [n_rounds, R], "drafts" judged [n_rounds, R], "source"
     [n_rounds, R] of those drafts (index into SOURCES; -1: none), "branched" [n_rounds, R]
@@ -223,18 +233,21 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
 
     t_nodes = min(tree, k)  # a tree has at most as many nodes as a chain has drafts
     f_nodes = min(tree, fk)
+    d_nodes = t_nodes if dcfg is not None else 0
     sampled_trees = bool(f_nodes) and sample_drafts  # only sampled DFlash drafts branch
 
     def branch(width):
-        def go(carry, size, last, candidates, logqs, first, first_logq, src, n, live, subset, parents):
+        def go(carry, size, last, candidates, logqs, first, first_logq, src, n, live, chained, parents, grown):
             kv, dkv = carry
             if dcfg is not None:
                 model_drafts, logq = first[:, None], None if first_logq is None else first_logq[:, None]
                 if k > 1:
-                    steps_n = jnp.where((subset & bit["draft"]) > 0, max(min(width - 1, k) - 1, 0), 0)
+                    steps_n = jnp.where(chained, max(min(width - 1, k) - 1, 0), 0)
                     model_drafts, logq, dkv = chain(dparams, dcfg, dkv, first, first_logq, size, steps_n, k,
                                                     seeds, rs, drawn, sample_drafts)
-                candidates = candidates[:1] + [_fit(model_drafts, k)] + candidates[1:]
+                # the draft model's slot: its tree where the row grew one, else its chain
+                candidates = [candidates[0], jnp.where(grown[:, None], candidates[1], _fit(model_drafts, k))] + \
+                    candidates[2:]
                 logqs = [None if logq is None else _fit(logq, k)] + logqs
             else:
                 model_drafts = candidates[0][:, :1]
@@ -261,6 +274,14 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     def no_block(fkv, last, start):
         shapes = jax.eval_shape(block, fkv, last, start)[0]
         return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), fkv
+
+    def grow(dkv, logits, size, levels):
+        ranked, greedy, greedy_n, dkv = draft_tree(dparams, dcfg, dkv, logits, size, d_nodes, levels)
+        return (ranked, greedy, greedy_n), dkv
+
+    def no_grow(dkv, logits, size, levels):
+        shapes = jax.eval_shape(grow, dkv, logits, size, levels)[0]
+        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), dkv
 
     def body(c):
         kv, dkv, fkv, history, size, made, i, state, bad, stopped, log = c
@@ -330,6 +351,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         n = jnp.where(pick > 0, jnp.minimum(room[pick], offer), 0)
         last = jnp.take_along_axis(history, jnp.maximum(size - 1, 0)[:, None], axis=1)[:, 0]
         candidates, logqs = [_fit(lookup_drafts, k)], []
+        if dcfg is not None:  # the draft model's slot: filled below for its trees, in the branch for its chains
+            candidates.append(jnp.zeros((rows, k), jnp.int32))
         block_drafts_ = block_ranked = None
         if fcfg is not None:  # DFlash's block pass, when the round uses it
             ran = (subset & bit["dflash"]) > 0
@@ -338,10 +361,19 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             candidates.append(_fit(block_drafts_, k))
             logqs.append(None if block_logq is None else _fit(block_logq, k))
         parents, main = None, jnp.ones((rows, SPAN), bool)
+        grown = jnp.zeros(rows, bool)  # rows drafting a draft-model tree (greedy drafts only)
+        if d_nodes:  # the draft model's best tree (`drafters.draft_tree`), as deep as the deepest row needs
+            grown = (row_tree > 0) & (src == 1) & (n > 0) & ~drawn
+            deepest = jnp.max(jnp.where(grown, jnp.minimum(jnp.minimum(room[pick], offered["draft"]), row_tree), 0))
+            (draft_ranked, greedy, greedy_n), dkv = steps.switch(jnp.any(grown).astype(jnp.int32), [no_grow, grow],
+                                                                 dkv, logits, size, jnp.maximum(deepest - 1, 0))
         if t_nodes:  # rows with a tree budget: their proposer's best tree, as many nodes as a chain's drafts
             parents = chain_ = trees.chain_parents(rows, SPAN)
             options = [(0, 0, jax.vmap(lambda h, s: lookup_tree(h, s, k, max_ngram, min_ngram, t_nodes))(history, size),
                         capacity(k), ~hosted, jnp.minimum(room[pick], limit))]
+            if d_nodes:  # a draft model's tree, for rows whose drafts are not sampled
+                options.append((1, 1, draft_ranked, draft_tree_capacity(d_nodes), ~drawn,
+                                jnp.minimum(room[pick], offered["draft"])))
             if f_nodes:  # a DFlash block's tree, for rows whose drafts are not sampled
                 options.append((len(models), len(candidates) - 1, block_ranked, tree_capacity(fk), ~drawn,
                                 jnp.minimum(room[pick], offered["dflash"])))
@@ -371,9 +403,11 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                                           + jnp.zeros((rows, 1), jnp.int32)], axis=1)[:, :k]
                 node_q = jnp.take_along_axis(logqs[-1], jnp.minimum(rows_q, k - 1)[:, :, None], axis=1)
                 logqs[-1] = jnp.where(treed[:, None, None], node_q, logqs[-1])
+        # the draft model's chain runs when the round uses it and some row takes it as a chain
+        chained = ((subset & bit["draft"]) > 0) & jnp.any(live & (src == 1) & ~grown) if dcfg is not None else False
         (out, count, nan, model_drafts, tapped, path), (kv, dkv) = steps.switch(
             pick, [branch(w) for w in widths], (kv, dkv), size, last, candidates, logqs, first, first_logq,
-            src, n, live, subset, parents)
+            src, n, live, chained, parents, grown)
         if t_nodes:  # the accepted paths become plain prefixes (taps past the width are stale anyway)
             kv = compact_paths(kv, path, count)
             if tapped is not None:
@@ -387,15 +421,18 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         if k:
             state = _score(state, m, lookup_drafts, jnp.minimum(found, judged), out, count, jnp.where(m > 0, ACCEPT_DECAY, 1.0))
         if dcfg is not None:
-            chained = (subset & bit["draft"]) > 0
             model_n = jnp.where(use[:, 1] & live, jnp.where(chained, jnp.minimum(room[pick], limit),
                                                             jnp.minimum(limit, 1)), 0)
+            if d_nodes:  # a tree row's draft chain is the tree's greedy chain, as far as it was expanded
+                model_drafts = jnp.where(grown[:, None], _fit(greedy, model_drafts.shape[1]), model_drafts)
+                model_n = jnp.where(grown, jnp.minimum(jnp.minimum(room[pick], limit), greedy_n), model_n)
             state = _score(state, jnp.full((rows,), column["draft"], jnp.int32), model_drafts, model_n, out, count,
                            jnp.where(model_n > 0, ACCEPT_DECAY, 1.0))
-            # the draft cache keeps the chain's fed drafts that were committed (never the newest token)
+            # the draft cache keeps the chain's fed drafts that were committed (never the newest token); a tree
+            # row keeps none (its nodes sit at scratch slots), so the next feed (<= SPAN tokens) re-feeds them
             agree = jnp.sum(jnp.cumprod((model_drafts == out[:, :model_drafts.shape[1]]).astype(jnp.int32),
                                         axis=1), axis=1)
-            fed = jnp.where(chained, jnp.minimum(room[pick], k) - 1, 0)
+            fed = jnp.where(chained & ~grown, jnp.minimum(room[pick], k) - 1, 0)
             kept = jnp.minimum(jnp.minimum(agree, fed), jnp.maximum(count - 1, 0))
             dkv = dkv.replace(lengths=jnp.where(count > 0, size + kept, dlen))
         if fcfg is not None:  # a pass's drafts are judged for every row that may take them

@@ -1,0 +1,230 @@
+"""Draft-model trees (EAGLE-2 style, `drafters.draft_tree`) in the engine: the expansion
+equals a best-first re-derivation from plain forwards of the draft model; rows drafting
+trees equal their request run alone without speculation (greedy and sampled, budgets 2 to
+15, a stop id and max_new_tokens inside an accepted path, batch 4 and batch 1); trees
+branch where the draft is unsure while chain rows never do; and after every call the draft
+cache holds exactly the committed tokens."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax import Sampling, qwen3
+from specjax import kv as kvlib
+from specjax.drafters import draft_tree, draft_tree_shape
+from specjax.engine import Engine, Speculation, engine_options
+from specjax.proposers import DraftProposer, NgramProposer, ProposerError
+from conftest import hf_tiny
+
+NOISE = 0.3  # the draft: the target's weights plus this much of each tensor's spread in noise
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(target, draft): a random target that falls into cycles and a draft made of its
+    weights with noise, so it agrees with the target often but not always."""
+    import torch
+
+    root = tmp_path_factory.mktemp("draft-trees")
+    hf_tiny(root / "t", seed=3, init=0.1)
+    noisy = hf_tiny(root / "d", seed=3, init=0.1)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(NOISE * p.std() * torch.randn_like(p))
+    noisy.save_pretrained(root / "d")
+    return specjax.load(root / "t"), specjax.load(root / "d")
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    """Four rows, every one drafting k = 15 from the draft model each round (no chooser),
+    a tree budget of up to 15; short calls, so requests span several of them."""
+    target, draft = pair
+    return Engine(target, Speculation(k=15, tree=15, adaptive=False), draft=draft, max_batch=4, max_len=256,
+                  rounds=4)
+
+
+def _alone(model, prompts, news, settings, seeds, stops):
+    solo = Engine(model, None, max_batch=1, max_len=256)
+    return [solo.submit(p, max_new_tokens=n, sampling=s, seed=sd, stop_ids=st).result().tokens
+            for p, n, s, sd, st in zip(prompts, news, settings, seeds, stops)]
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64) - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def _reference_tree(next_lp, nodes: int) -> tuple[set, list[int]]:
+    """EAGLE-2's expansion by brute force, from next_lp(path) (the draft's log-softmax after
+    the prompt and path): depth 1 the root's top K, then each depth the frontier's (the K
+    best of the newest depth by cumulative log-prob) top K children each; the best `nodes`
+    of every candidate. Returns the kept nodes as token paths and the greedy chain."""
+    width, depth = draft_tree_shape(nodes)
+    top = lambda lp: [int(t) for t in np.argsort(-lp, kind="stable")[:width]]  # noqa: E731
+    lp = next_lp(())
+    cands = [((t,), lp[t]) for t in top(lp)]
+    newest = list(cands)
+    for _ in range(depth - 1):
+        frontier = sorted(newest, key=lambda c: -c[1])[:width]
+        newest = []
+        for path, s in frontier:
+            lp = next_lp(path)
+            newest += [(path + (t,), s + lp[t]) for t in top(lp)]
+        cands += newest
+    greedy = []
+    for _ in range(depth):
+        greedy.append(int(np.argmax(next_lp(tuple(greedy)))))
+    return {path for path, _ in sorted(cands, key=lambda c: -c[1])[:nodes]}, greedy
+
+
+def _paths(ranked: dict, r: int) -> list[tuple[int, ...]]:
+    """Row r's ranked nodes as token paths from the root (each parent ranked before its child)."""
+    at = {int(t): i for i, t in enumerate(np.asarray(ranked["trie"][r]))}
+    token, parent = np.asarray(ranked["token"][r]), np.asarray(ranked["parent"][r])
+    paths = []
+    for i in range(len(token)):
+        up = int(parent[i])
+        assert up == 0 or at[up] < i, "a node ranked above its parent"
+        paths.append((paths[at[up]] if up else ()) + (int(token[i]),))
+    return paths
+
+
+WIDTH = 24  # tokens of every reference forward (prompt and path, padded): one compiled shape
+
+
+def test_expansion_matches_a_best_first_rederivation(pair):
+    """The tree of 15 nodes (frontier 4, depth 9: the whole 32-slot ancestor window) after
+    two prompts (one batch, cached prompt, tree attention) equals the best-first expansion
+    computed from plain causal forwards of the draft over each node's path; its greedy
+    chain is the draft's own greedy continuation."""
+    _, draft = pair
+    params, cfg = draft.params, draft.config
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, n) for n in (9, 5)]
+    sizes = np.array([len(p) for p in prompts], np.int32)
+    # causal, so the padding after a sequence's last token does not reach its logits there
+    forward = jax.jit(lambda t: qwen3.forward(params, cfg, t, jnp.arange(WIDTH)[None])[0][0])
+    for nodes in (15,):
+        kv = kvlib.init(cfg, 2, 128, jnp.float32)
+        tokens = np.zeros((2, 16), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = p
+        h, kv, _ = qwen3.hidden_states(params, cfg, jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(16), (2, 16)), kv)
+        logits = qwen3.unembed(params, cfg, h[np.arange(2), sizes - 1])
+        ranked, greedy, greedy_n, _ = jax.jit(draft_tree, static_argnames=("dcfg", "nodes"))(
+            params, dcfg=cfg, dkv=kv, logits=logits, size=jnp.asarray(sizes), nodes=nodes, levels=jnp.int32(99))
+        for r, p in enumerate(prompts):
+            def next_lp(path, p=p):
+                seq = list(p) + list(path)
+                padded = np.zeros((1, WIDTH), np.int32)
+                padded[0, :len(seq)] = seq
+                return _log_softmax(np.asarray(forward(jnp.asarray(padded)))[len(seq) - 1])
+            want, chain = _reference_tree(next_lp, nodes)
+            got = _paths(ranked, r)
+            assert len(got) == nodes and set(got) == want
+            n = int(greedy_n[r])
+            assert n >= 1 and list(np.asarray(greedy[r, :n])) == chain[:n]
+            main = [path for path, m in zip(got, np.asarray(ranked["main"][r])) if m]
+            assert main == [tuple(chain[:len(x)]) for x in main]  # "main" nodes lie on the greedy chain
+
+
+SPAN_LAG = 16  # the draft cache lags the committed tokens by at most a round's worth
+CHECKED = 80  # tokens a draft-cache check covers (one compiled prefill)
+
+
+def _fresh_keys(draft):
+    """keys(ids [1, CHECKED]): the draft's last-layer keys [K, CHECKED, E] of a fresh prefill."""
+    cfg = draft.config
+
+    def keys(ids):
+        kv = kvlib.init(cfg, 1, CHECKED, jnp.float32)
+        _, kv, _ = qwen3.hidden_states(draft.params, cfg, ids, jnp.arange(CHECKED)[None], kv)
+        return kvlib.layer_slots(kv.k, cfg.num_hidden_layers - 1)
+    return jax.jit(keys)
+
+
+def _cache_holds_committed(engine, req, keys) -> None:
+    """The draft cache's keys of req's row at its dlen positions equal those of a fresh
+    prefill of its committed tokens (the last layer's: they depend on every earlier one)."""
+    n = req.dlen
+    assert req.length - SPAN_LAG <= n <= req.length <= CHECKED
+    slots = np.asarray(kvlib.row_slots(jnp.asarray(engine.table[req.slot:req.slot + 1]), engine.page_size))[0, :n]
+    got = np.asarray(kvlib.layer_slots(engine.dk_pool, engine.draft.config.num_hidden_layers - 1))[:, slots]
+    ids = np.zeros((1, CHECKED), np.int32)
+    ids[0, :n] = engine.history[req.slot, :n]
+    np.testing.assert_allclose(got, np.asarray(keys(jnp.asarray(ids)))[:, :n], atol=2e-4, rtol=2e-4)
+
+
+def test_tree_rows_equal_their_plain_run_alone(pair, engine, rng):
+    """Budgets 2, 5 and 15, greedy and sampled rows in one batch, a stop id inside what a
+    path may accept, max_new_tokens ending mid-path; after every call the draft cache
+    holds exactly the committed tokens; then batch 1. (The last row decodes plainly, one
+    token a round, and longest: the batch keeps its 4 rows, one compile.)"""
+    target, draft = pair
+    v = target.config.vocab_size
+    prompts = [rng.integers(0, v, int(n)) for n in rng.integers(6, 20, 4)]
+    news = [23, 31, 12, 31]
+    budgets = [2, 5, 15, 0]
+    settings = [Sampling(), Sampling(0.8), Sampling(1.0, top_k=20), Sampling()]
+    seeds = [int(s) for s in rng.integers(0, 2 ** 31, 4)]
+    full = _alone(target, prompts, news, settings, seeds, [()] * 4)
+    stop = next((x for i, x in enumerate(full[1]) if i >= 8 and x not in full[1][:i]), None)  # first seen late
+    stops = [(), () if stop is None else (stop,), (), ()]
+    want = _alone(target, prompts, news, settings, seeds, stops)
+    reqs = [engine.submit(p, max_new_tokens=n, sampling=s, seed=sd, stop_ids=st, tree=t, lookup=False,
+                          k=15 if t else 0)
+            for p, n, s, sd, st, t in zip(prompts, news, settings, seeds, stops, budgets)]
+    keys = _fresh_keys(draft)
+    while engine.has_work():  # no row drafts a chain here: the draft cache after tree rounds alone
+        engine.step()
+        for r in engine.running:
+            _cache_holds_committed(engine, r, keys)
+    assert [r.tokens for r in reqs] == want
+    assert all(r.stats.drafted > 0 for r in reqs[:3])
+    one = Engine(target, Speculation(k=15, tree=5, adaptive=False), draft=draft, max_batch=1, max_len=256)
+    req = one.submit(prompts[0], max_new_tokens=news[0], sampling=settings[0], seed=seeds[0], stop_ids=(), lookup=False)
+    assert req.result().tokens == want[0]
+
+
+def test_trees_branch_chains_do_not_and_the_draft_cache_holds_committed_tokens(pair, engine):
+    """Tree rows' accepted paths leave the draft's greedy chain somewhere and a chain row
+    (tree=0, same engine) never does; all equal their runs alone; after every call each
+    running row's draft cache holds exactly its committed tokens. (Fixed prompts: whether a
+    tree branches depends on what the random models generate. A sampled row and the plain
+    last row: the batch compiled for the test above.)"""
+    target, draft = pair
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, target.config.vocab_size, 12) for _ in range(4)]
+    news, settings, budgets = [48, 48, 48, 56], [Sampling(), Sampling(0.8), Sampling(), Sampling()], [15, 15, 0, 0]
+    want = _alone(target, prompts, news, settings, [5] * 4, [()] * 4)
+    reqs = [engine.submit(p, max_new_tokens=n, sampling=s, seed=5, stop_ids=(), lookup=False, tree=t,
+                          k=0 if i == 3 else 15)
+            for i, (p, n, s, t) in enumerate(zip(prompts, news, settings, budgets))]
+    keys, checked = _fresh_keys(draft), 0
+    while engine.has_work():
+        engine.step()
+        for r in engine.running:
+            _cache_holds_committed(engine, r, keys)
+            checked += 1
+    assert checked > 4
+    assert [r.tokens for r in reqs] == want
+    assert sum(r.stats.branched for r in reqs[:2]) > 0
+    assert reqs[2].stats.drafted > 0 and reqs[2].stats.branched == 0
+
+
+def test_one_tree_budget_covers_the_draft_model(pair):
+    """DraftProposer(tree=) is checked and sets the engine's budget as the other proposers' do."""
+    from specjax.adaptive import Adaptive
+
+    _, draft = pair
+    with pytest.raises(ProposerError, match="tree must be an integer in"):
+        DraftProposer(draft, k=4, tree=16)
+    options, _ = engine_options(Adaptive(NgramProposer(k=7, tree=3), DraftProposer(draft, k=7, tree=9)))
+    assert options["speculative"].tree == 9
+    assert engine_options(DraftProposer(draft, k=5, tree=4))[0]["speculative"].tree == 4
