@@ -69,7 +69,7 @@ def _top_p_min_p(x: jax.Array, s: Sampling) -> jax.Array:
         sorted_x = jnp.take_along_axis(x, order, axis=-1)
         cum = jnp.cumsum(jax.nn.softmax(sorted_x, axis=-1), axis=-1)
         drop_sorted = (cum <= 1.0 - s.top_p).at[..., -1].set(False)
-        drop = jnp.take_along_axis(drop_sorted, jnp.argsort(order, axis=-1), axis=-1)
+        drop = jnp.put_along_axis(drop_sorted, order, drop_sorted, axis=-1, inplace=False)  # unsort: a scatter, not a sort
         x = jnp.where(drop, -jnp.inf, x)
     if s.min_p > 0.0:
         probs = jax.nn.softmax(x, axis=-1)
@@ -208,7 +208,7 @@ def _top_p_min_p_rows(x: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.A
     sorted_x = jnp.take_along_axis(x, order, axis=-1)
     cum = jnp.cumsum(jax.nn.softmax(sorted_x, axis=-1), axis=-1)
     drop_sorted = (cum <= 1.0 - top_p[:, None]).at[..., -1].set(False)
-    drop = jnp.take_along_axis(drop_sorted, jnp.argsort(order, axis=-1), axis=-1)
+    drop = jnp.put_along_axis(drop_sorted, order, drop_sorted, axis=-1, inplace=False)  # unsort: a scatter, not a sort
     x = jnp.where(drop & (top_p[:, None] < 1.0), -jnp.inf, x)
     probs = jax.nn.softmax(x, axis=-1)
     return jnp.where(probs < min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
