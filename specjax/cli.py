@@ -44,6 +44,18 @@ def _k_or_auto(text: str) -> int | str:
     return "auto" if text == "auto" else _positive(text)
 
 
+def _nodes_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a node count or auto, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a node count >= 0 or auto, got {value}")
+    return value
+
+
 def _sibling(model: Path, suffix: str) -> Path | None:
     """checkpoints/<name>-<suffix> next to a model folder, if it is there."""
     path = model.parent / f"{model.name}-{suffix}"
@@ -63,10 +75,11 @@ def _add_speculation(p) -> None:
                       help="DFlash drafts per step (default: block_size - 1, at most 15); auto: adaptive k")
     spec.add_argument("--sample-drafts", action="store_true",
                       help="sample draft-model / DFlash tokens (general acceptance rule)")
-    spec.add_argument("--tree", type=int, default=0, metavar="N",
+    spec.add_argument("--tree", type=_nodes_or_auto, default=0, metavar="N|auto",
                       help="draft trees of up to N nodes, verified in one step (0: chains): prompt lookup where "
                            "earlier matches continue differently, a draft model's (greedy drafts) and a DFlash "
-                           "drafter's best nodes")
+                           "drafter's best nodes; auto: up to 15 nodes, the tree or the chain each round, "
+                           "whichever has held more")
 
 
 def _add_generate(sub) -> None:

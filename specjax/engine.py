@@ -31,9 +31,9 @@ from .lookup import MAX_NGRAM
 from .results import PREFILL_CHUNK, GenerateResult, GenerationError, Stats, token_ids, validate
 from .model import Model
 from .pages import SCRATCH, PageAllocator, PoolError
-from .proposers import ProposerError, check_k, check_ngram
+from .proposers import ProposerError, check_k, check_ngram, check_tree
 from .qwen3 import head_weight
-from .rounds import SOURCES, SPAN, columns, prefill_chunk, rounds
+from .rounds import SOURCES, SPAN, new_state, prefill_chunk, rounds
 from .sampling import RowSampling, Sampling
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -55,20 +55,31 @@ class Speculation:
     replacement (`drafters.sampled_tree`, verified by `tree_accept.accept_tree_rows`);
     and so does a draft model for greedy drafts: its best tree by cumulative draft
     log-probability (`drafters.draft_tree`, EAGLE-2; sampled draft-model drafts stay
-    chains). One budget covers every proposer's trees; 0: chains."""
+    chains). One budget covers every proposer's trees; 0: chains.
+
+    tree="auto": trees of up to SPAN - 1 nodes, but each round a row drafts, per proposer,
+    the shape whose drafts have held deeper: every round that drafts both (lookup always,
+    DFlash when its block runs, a draft model when it grows its tree, whose greedy chain is
+    the chain's) measures how far each would have been accepted, as far as the committed
+    tokens decide, and a row's mean of each (decayed) picks the shape and scales the tokens
+    the chooser expects of that proposer's tree (`rounds.rounds`, "shapes"). Rows with
+    sampled model drafts take those chains."""
 
     k: int = 15
     max_ngram: int = 3
     min_ngram: int = 1
     adaptive: bool = True
-    tree: int = 0
+    tree: int | str = 0
 
     def __post_init__(self) -> None:
         check_k(self.k, SPAN - 1)
         check_ngram(self.max_ngram, self.min_ngram, MAX_NGRAM)
-        if isinstance(self.tree, bool) or not isinstance(self.tree, int) or not 0 <= self.tree <= SPAN - 1:
-            raise ProposerError(f"tree must be an integer in [0, {SPAN - 1}] (nodes of a draft tree; 0: chains), "
-                                f"got {self.tree!r}")
+        check_tree(self.tree, SPAN - 1)
+
+    @property
+    def nodes(self) -> int:
+        """The most nodes of a row's draft tree (0: chains only)."""
+        return SPAN - 1 if self.tree == "auto" else self.tree
 
 
 @runtime_checkable
@@ -87,10 +98,11 @@ class Request:
 
     def __init__(self, engine: "Engine", rid: int, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling,
                  seed: int, stops: frozenset[int], k: int, use: tuple[bool, bool, bool], drafter: HostDrafter | None,
-                 tree: int = 0):
+                 tree: int = 0, auto: bool = False):
         self.engine, self.id, self.prompt = engine, rid, prompt
         self.max_new_tokens, self.sampling, self.seed, self.stops, self.k = max_new_tokens, sampling, seed, stops, k
         self.tree = tree  # nodes of its draft trees (0: chains)
+        self.auto = auto  # each round the tree or the chain, whichever has held more
         self.use = use  # may take (lookup or host, draft-model, DFlash) drafts
         self.drafter = drafter
         self.tokens: list[int] = []
@@ -106,8 +118,7 @@ class Request:
         self.prefilled = 0
         self.dlen = 0  # committed tokens in the draft model's cache
         self.clen = 0  # DFlash context rows written (the rest of its taps are stashed)
-        width = columns(engine.spec.max_ngram)
-        self.state = {"accepted": np.zeros((2, width), np.float32), "judged": np.zeros((2, width), np.float32)}
+        self.state = {name: counts[0] for name, counts in new_state(1, engine.spec.max_ngram).items()}
 
     def __repr__(self) -> str:
         return f"Request(id={self.id}, prompt={len(self.prompt)} tokens, {len(self.tokens)} generated, done={self.done})"
@@ -214,8 +225,8 @@ class Engine:
         self.max_len = max_len
         # slots a row may write past its length in a round: a verify step, a DFlash block, a draft model's tree
         self.margin = max(SPAN, dflash.config.block_size if dflash is not None else 0,
-                          draft_tree_slots(min(self.spec.tree, self.compiled_k)) if draft is not None and
-                          self.spec.tree and self.k else 0)
+                          draft_tree_slots(min(self.spec.nodes, self.compiled_k)) if draft is not None and
+                          self.spec.nodes and self.k else 0)
         self.pages_per_row = -(-(max_len + self.margin) // page_size)
         num_pages = max_batch * self.pages_per_row + 1 if num_pages is None else num_pages
         self.pages = PageAllocator(num_pages, page_size)
@@ -245,15 +256,16 @@ class Engine:
     def submit(self, ids: Sequence[int], *, max_new_tokens: int, sampling: Sampling = Sampling(), seed: int = 0,
                stop_ids: Sequence[int] | None = None, k: int | None = None, lookup: bool = True,
                draft: bool = True, dflash: bool = True, drafter: HostDrafter | None = None,
-               tree: int | None = None) -> Request:
+               tree: int | str | None = None) -> Request:
         """Queue a request; it joins the batch when a row and its pages are free.
 
         stop_ids defaults to the model's eos ids (`()` never stops early); k (at most the
         engine's) limits this request's drafts, 0 for plain decoding; lookup / draft / dflash
         say whether it may take prompt-lookup, draft-model and DFlash drafts; a `drafter` (a Python
         proposer) replaces prompt lookup for this request (one round per device call while
-        it runs); tree (at most the engine's `Speculation.tree`, default it) the nodes of
-        its trees (lookup, draft-model or DFlash, whichever a round drafts), 0 for chains."""
+        it runs); tree (at most the engine's `Speculation.nodes`, default its `tree`) the nodes of
+        its trees (lookup, draft-model or DFlash, whichever a round drafts), 0 for chains,
+        "auto" for the engine's most nodes with the shape chosen per round."""
         ids = token_ids(ids)
         validate(self.model, ids, max_new_tokens, None, seed)
         if not isinstance(sampling, Sampling):
@@ -262,9 +274,10 @@ class Engine:
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.k:
             raise GenerationError(f"k must be an integer in [0, {self.k}] (the engine's speculative k), got {k!r}")
         tree = self.spec.tree if tree is None else tree
-        if isinstance(tree, bool) or not isinstance(tree, int) or not 0 <= tree <= self.spec.tree:
-            raise GenerationError(f"tree must be an integer in [0, {self.spec.tree}] (the engine's Speculation.tree), "
-                                  f"got {tree!r}")
+        if tree == "auto" and self.spec.nodes == 0 or tree != "auto" and (
+                isinstance(tree, bool) or not isinstance(tree, int) or not 0 <= tree <= self.spec.nodes):
+            raise GenerationError(f"tree must be an integer in [0, {self.spec.nodes}] (the engine's most nodes, "
+                                  f"Speculation.tree){' or auto' if self.spec.nodes else ''}, got {tree!r}")
         total = len(ids) + max_new_tokens
         if total > self.max_len:
             raise PoolError(f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) = {total} tokens exceeds the "
@@ -278,7 +291,8 @@ class Engine:
             raise GenerationError(f"drafter must have a propose(history, limit) method, got {type(drafter).__name__}")
         req = Request(self, self._next_id, ids.astype(np.int32), max_new_tokens, sampling, seed, stops, k,
                       (bool(lookup) or drafter is not None, bool(draft) and self.draft is not None,
-                       bool(dflash) and self.dflash is not None), drafter, tree)
+                       bool(dflash) and self.dflash is not None), drafter,
+                      self.spec.nodes if tree == "auto" else tree, tree == "auto")
         req.reserved = need
         self._next_id += 1
         self.queue.append(req)
@@ -435,7 +449,7 @@ class Engine:
         for r in live:
             b = r.slot
             r.dlen, r.clen = int(dlen[b]), int(clen[b])
-            r.state = {"accepted": state["accepted"][b], "judged": state["judged"][b]}
+            r.state = {name: counts[b] for name, counts in state.items()}
             committed: list[int] = []
             for i in range(log["counts"].shape[0]):
                 c, n = int(log["counts"][i, b]), int(log["drafts"][i, b])
@@ -443,6 +457,7 @@ class Engine:
                     continue
                 r.stats.record(n, c - 1)
                 r.stats.branched += bool(log["branched"][i, b])
+                r.stats.tree_steps += bool(log["treed"][i, b])
                 source = int(log["source"][i, b])
                 r.stats.choices.append((None if source < 0 else "host" if r.drafter is not None and source == 0
                                         else SOURCES[source], n))
@@ -458,11 +473,10 @@ class Engine:
         budget = np.zeros(rows, np.int32)
         stops = np.full((rows, STOPS), -1, np.int32)
         row_k = np.zeros(rows, np.int32)
-        row_tree = np.zeros(rows, np.int32)
+        row_tree, row_auto = np.zeros(rows, np.int32), np.zeros(rows, bool)
         seeds = np.zeros(rows, np.uint32)
         settings = [Sampling()] * rows
-        zeros = np.zeros((rows, 2, columns(self.spec.max_ngram)), np.float32)
-        state = {"accepted": zeros.copy(), "judged": zeros.copy()}
+        state = new_state(rows, self.spec.max_ngram)
         use = np.zeros((rows, 3), bool)
         dlen = np.zeros(rows, np.int32)
         clen = np.zeros(rows, np.int32)
@@ -489,8 +503,9 @@ class Engine:
             listed = sorted(r.stops)[:STOPS]
             stops[b, :len(listed)] = listed
             row_k[b], seeds[b], settings[b], use[b], dlen[b], clen[b] = r.k, r.seed, r.sampling, r.use, r.dlen, r.clen
-            row_tree[b] = r.tree
-            state["accepted"][b], state["judged"][b] = r.state["accepted"], r.state["judged"]
+            row_tree[b], row_auto[b] = r.tree, r.auto
+            for name, counts in r.state.items():
+                state[name][b] = counts
         idle = np.ones(rows, bool)
         idle[[r.slot for r in live]] = False
         table = self.table[:rows].copy()
@@ -515,8 +530,8 @@ class Engine:
             **({} if self.dflash is None else {"fparams": self.dflash.params, "fcfg": self.dflash.config,
                                                "fkv": self._dflash_state(table, clen)}),
             dcfg=None if d is None else d.config, k=self.compiled_k,
-            limit=jnp.int32(n_rounds), row_tree=jnp.asarray(row_tree) if self.spec.tree else None,
-            tree=self.spec.tree, max_ngram=self.spec.max_ngram, min_ngram=self.spec.min_ngram,
+            limit=jnp.int32(n_rounds), row_tree=jnp.asarray(row_tree) if self.spec.nodes else None,
+            row_auto=jnp.asarray(row_auto) if self.spec.nodes else None, tree=self.spec.nodes, max_ngram=self.spec.max_ngram, min_ngram=self.spec.min_ngram,
             n_rounds=self.n_rounds, sampled=sampled,
             sample_drafts=self.sample_drafts, adaptive=self.spec.adaptive)
         self.k_pool, self.v_pool = kv.k, kv.v
@@ -590,7 +605,7 @@ def engine_options(speculative: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     Adaptive (at most one of each): the engine chooses among them per row and round; a
     `HostDrafter`: that object drafts for each request, up to 15 drafts a round. The
     engine's `Speculation.tree` is the largest `tree` of its proposers (one node budget
-    for the lookup, draft-model and DFlash trees of a row).
+    for the lookup, draft-model and DFlash trees of a row), "auto" if any proposer's is.
     """
     from .adaptive import Adaptive
     from .proposers import DFlashProposer, DraftProposer, NgramProposer
@@ -613,7 +628,7 @@ def engine_options(speculative: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     ngram = lookups[0] if lookups else NgramProposer()
     options: dict[str, Any] = {"speculative": Speculation(max(p.k for p in parts), ngram.max_ngram, ngram.min_ngram,
                                                           adaptive=adaptive,
-                                                          tree=max(p.tree for p in parts))}
+                                                          tree=_tree(parts))}
     if drafts:
         options["draft"] = drafts[0].model
     if blocks:
@@ -663,3 +678,9 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], *, max_new_to
             for p, m, s, sd, st in zip(prompts, news, settings, seeds, stops)]
     engine.run()
     return [r.result() for r in reqs]
+
+
+def _tree(parts: Sequence[Any]) -> int | str:
+    """One tree setting for an engine over these proposers: "auto" where any asks for it,
+    else the largest node budget."""
+    return "auto" if any(p.tree == "auto" for p in parts) else max(p.tree for p in parts)

@@ -42,10 +42,12 @@ def check_ngram(max_ngram: int, min_ngram: int, largest: int | None = None) -> N
         raise ProposerError(f"max_ngram must be at most {largest} for the on-device lookup, got {max_ngram}")
 
 
-def _check_tree(tree: int) -> None:
-    if not _is_int(tree) or not 0 <= tree <= steps.BUCKETS[-1] - 1:
-        raise ProposerError(f"tree must be an integer in [0, {steps.BUCKETS[-1] - 1}] (nodes of a draft tree; "
-                            f"0: chains), got {tree!r}")
+def check_tree(tree: int | str, largest: int = steps.BUCKETS[-1] - 1) -> None:
+    """tree: nodes of a draft tree in [0, largest] (0: chains), or "auto" (trees of up to
+    `steps.BUCKETS[-1] - 1` nodes where they pay, chosen per row and round)."""
+    if tree != "auto" and (not _is_int(tree) or not 0 <= tree <= largest):
+        raise ProposerError(f"tree must be an integer in [0, {largest}] (nodes of a draft tree; 0: chains) or "
+                            f"'auto', got {tree!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,18 +62,19 @@ class NgramProposer:
     vLLM's names for these are num_speculative_tokens, prompt_lookup_max, prompt_lookup_min
     (`from_vllm`). tree > 0: a tree of up to that many nodes (at most as many as the chain
     would have drafts) where earlier matches continue differently (`specjax.lookup.tree`),
-    verified in one step; 0: chains.
+    verified in one step; 0: chains; "auto": the tree or the chain each round, whichever
+    has held more (`specjax.Speculation`).
     """
 
     k: int = 4
     max_ngram: int = 3
     min_ngram: int = 1
-    tree: int = 0
+    tree: int | str = 0
 
     def __post_init__(self) -> None:
         check_k(self.k, steps.BUCKETS[-1] - 1)
         check_ngram(self.max_ngram, self.min_ngram)  # the engine's Speculation bounds max_ngram
-        _check_tree(self.tree)
+        check_tree(self.tree)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -91,20 +94,21 @@ class DraftProposer:
     expanded by its top tokens, then the best `tree` of all nodes kept), so where the
     draft is unsure the tree holds its runners-up. Output is still exactly plain
     decoding's (greedy and sampled targets: the drafts are deterministic). Sampled drafts
-    (sample=True) stay chains. 0: chains.
+    (sample=True) stay chains. 0: chains; "auto": the tree or the chain each round,
+    whichever has held more (`specjax.Speculation`).
     """
 
     model: Model
     k: int = 4
     sample: bool = False
-    tree: int = 0
+    tree: int | str = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, Model):
             raise ProposerError(f"DraftProposer needs a loaded model (specjax.load(folder)), "
                                 f"got {type(self.model).__name__}")
         check_k(self.k, steps.BUCKETS[-1] - 1)
-        _check_tree(self.tree)
+        check_tree(self.tree)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -123,13 +127,14 @@ class DFlashProposer:
     second children drawn without replacement from the same block rows
     (`specjax.drafters.sampled_tree`), accepted by recursive rejection sampling
     (`specjax.tree_accept`), so the output still follows the target's distribution;
-    0: chains.
+    0: chains; "auto": the tree or the chain each round, whichever has held more
+    (`specjax.Speculation`; sampled drafts then stay chains).
     """
 
     drafter: dflashlib.Drafter
     k: int | None = None
     sample: bool = False
-    tree: int = 0
+    tree: int | str = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.drafter, dflashlib.Drafter):
@@ -139,7 +144,7 @@ class DFlashProposer:
         if self.k is None:
             object.__setattr__(self, "k", largest)
         check_k(self.k, steps.BUCKETS[-1] - 1)
-        _check_tree(self.tree)
+        check_tree(self.tree)
         if self.k > self.drafter.config.block_size - 1:
             where = f" ({self.drafter.path})" if self.drafter.path else ""
             raise ProposerError(f"k={self.k} exceeds block_size - 1 = {self.drafter.config.block_size - 1} "

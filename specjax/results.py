@@ -37,6 +37,7 @@ class Stats:
     accepts: list[int] = dataclasses.field(default_factory=list)      # drafts accepted per step
     choices: list = dataclasses.field(default_factory=list)           # (proposer, drafts) per step
     branched: int = 0              # steps whose accepted path left a draft tree's first continuation
+    tree_steps: int = 0            # steps that verified a draft tree (the rest verified chains)
     prefill_s: float = 0.0
     propose_s: float = 0.0
     verify_s: float = 0.0

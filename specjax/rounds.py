@@ -44,6 +44,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import sampling as smp
 from . import steps, trees
@@ -64,10 +65,20 @@ DRAFT_COLUMN, HOST_COLUMN, DFLASH_COLUMN = 1, 2, 3  # past max_ngram: acceptance
 SOURCES = ("lookup", "draft", "dflash")  # where a round's drafts came from (lookup: or a host drafter)
 
 
+CHAIN, TREE = 0, 1  # the two shapes of a row's drafts, as the "shapes" state indexes them
+SHAPE_PRIOR = 1.0  # prior accepted depth of either shape, worth PSEUDO rounds: a tie, which drafts the tree
+
+
 def columns(max_ngram: int) -> int:
     """Acceptance-state columns: lookup per match length 0 .. max_ngram, the draft model,
     host drafts, DFlash."""
     return max_ngram + DFLASH_COLUMN + 1
+
+
+def new_state(rows: int, max_ngram: int) -> dict:
+    """The acceptance state of `rows` rows that have drafted nothing yet (`rounds`)."""
+    counts = np.zeros((rows, 2, columns(max_ngram)), np.float32)
+    return {"accepted": counts, "judged": counts.copy(), "shapes": np.zeros((rows, len(SOURCES), 2, 2), np.float32)}
 
 
 def _verify(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, drafts: jax.Array,
@@ -166,7 +177,7 @@ def _score(state: dict, column: jax.Array, drafts: jax.Array, n: jax.Array, out:
     def fold(counts, mask):
         per = jnp.stack([jnp.sum(mask & ~later, axis=1), jnp.sum(mask & later, axis=1)], axis=1)
         return counts.at[at, :, column].set(counts[at, :, column] * decay[:, None] + per.astype(counts.dtype))
-    return {"accepted": fold(state["accepted"], hit), "judged": fold(state["judged"], judged)}
+    return {**state, "accepted": fold(state["accepted"], hit), "judged": fold(state["judged"], judged)}
 
 
 @partial(jax.jit, static_argnames=("cfg", "dcfg", "fcfg", "k", "max_ngram", "min_ngram", "n_rounds", "sampled",
@@ -176,7 +187,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
            seeds: jax.Array, rs: RowSampling, dparams: Params | None = None, dkv: KVCache | None = None,
            fparams: Params | None = None, fkv: DFlashCache | None = None, fhead: Head | None = None,
            given: tuple[jax.Array, jax.Array] | None = None, limit: jax.Array | None = None,
-           row_tree: jax.Array | None = None, *, dcfg: Qwen3Config | None = None, fcfg: DFlashConfig | None = None,
+           row_tree: jax.Array | None = None, row_auto: jax.Array | None = None, *, dcfg: Qwen3Config | None = None, fcfg: DFlashConfig | None = None,
            k: int, max_ngram: int, min_ngram: int, n_rounds: int, sampled: bool, sample_drafts: bool = False,
            adaptive: bool = True, tree: int = 0):
     """Up to `n_rounds` speculative rounds over R rows (module docstring), or up to the
@@ -186,9 +197,12 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     last being the one the next step feeds (the target cache holds the others); budget
     [R]: tokens a row may commit in this call (0: idle); stops [R, STOPS] (-1 padded);
     row_k [R]: a row's most drafts (0: plain decoding); use [R, 3]: whether the row may
-    take lookup (or host) drafts, draft-model drafts and DFlash drafts; state {"accepted",
-    "judged"} [R, 2, columns(max_ngram)]: decayed counts of first / later drafts per
-    lookup match length, of the draft model, of host drafts and of DFlash; given: host
+    take lookup (or host) drafts, draft-model drafts and DFlash drafts; state
+    (`new_state`) {"accepted", "judged"} [R, 2, columns(max_ngram)]: decayed counts of
+    first / later drafts per lookup match length, of the draft model, of host drafts and
+    of DFlash, and "shapes" [R, SOURCES, (CHAIN, TREE), 2]: for rows with a tree budget,
+    decayed sums of the depth each shape of a proposer's drafts held (`_fold_shapes`) and
+    the rounds summed; given: host
     drafts (drafts [R, k], count [R], -1 for rows without) that replace those rows' lookup
     drafts (a proposer written in Python; one round a call); costs [2^M, widths]: t(W) /
     t(1) of a step of R rows for each subset of the M model proposers present (bit 0 the
@@ -210,11 +224,15 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     cumulative log-prob expanded one draft step per depth, run in place of the chain when
     no row takes the chain; its nodes sit at scratch slots of the draft cache, which
     keeps none of them), at most as many nodes as the chain would have drafts (and
-    row_tree).
+    row_tree). row_auto [R] (with row_tree): rows whose shape the chooser picks each round,
+    per proposer: the tree where the depth its trees held is at least the chain's
+    (`_shape_means`), else the chain; rows with sampled model drafts take that proposer's
+    chain (a sampled tree's depth is not decided by the committed tokens).
     Returns (log, nan flag, cache, draft cache, DFlash pools, state); log holds "tokens"
     [n_rounds, R, SPAN], "counts" [n_rounds, R], "drafts" judged [n_rounds, R], "source"
     [n_rounds, R] of those drafts (index into SOURCES; -1: none), "branched" [n_rounds, R]
-    (the accepted path left a tree's first continuation) and "width" [n_rounds],
+    (the accepted path left a tree's first continuation), "treed" [n_rounds, R] (the row
+    verified a tree) and "width" [n_rounds],
     each round's step kind (width index into steps.BUCKETS plus len(BUCKETS) times the
     subset of model proposers run; -1: no round).
     """
@@ -308,6 +326,25 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             rate = _rates(state, jnp.full((rows,), column[name], jnp.int32))
             expect[name] = expected_tokens(rate[:, :1], rate[:, 1:],
                                            jnp.minimum(room[None, :], offered[name][:, None]))
+        # per proposer with trees: the rows drafting its tree when it drafts (the rest its chain), and how
+        # much more than the chain's a tree's drafts are expected to hold (the ratio of their measured depths)
+        treeing, budgeted = {}, (row_tree > 0) if t_nodes else jnp.zeros(rows, bool)
+        if t_nodes:
+            means = _shape_means(state)
+            auto = jnp.zeros(rows, bool) if row_auto is None else row_auto
+            for name, there in (("lookup", True), ("draft", bool(d_nodes)), ("dflash", bool(f_nodes))):
+                if not there:
+                    continue
+                j = SOURCES.index(name)
+                wins = means[:, j, TREE] >= means[:, j, CHAIN]
+                may = ~hosted if name == "lookup" else ~drawn if name == "draft" else jnp.ones(rows, bool)
+                picked = wins if name == "lookup" else wins & ~drawn  # (a sampled tree's depth is never measured)
+                treeing[name] = budgeted & may & jnp.where(auto, picked, True)
+                gain = jnp.where(treeing[name], means[:, j, TREE] / means[:, j, CHAIN], 1.0)[:, None]
+                if name == "lookup":
+                    e_l = 1.0 + (e_l - 1.0) * gain
+                else:
+                    expect[name] = 1.0 + (expect[name] - 1.0) * gain
         first, first_logq, dlen = jnp.zeros(rows, jnp.int32), None, None
         if dcfg is not None:
             dlen = dkv.lengths
@@ -363,32 +400,40 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         parents, main = None, jnp.ones((rows, SPAN), bool)
         grown = jnp.zeros(rows, bool)  # rows drafting a draft-model tree (greedy drafts only)
         if d_nodes:  # the draft model's best tree (`drafters.draft_tree`), as deep as the deepest row needs
-            grown = (row_tree > 0) & (src == 1) & (n > 0) & ~drawn
+            grown = treeing["draft"] & (src == 1) & (n > 0)
             deepest = jnp.max(jnp.where(grown, jnp.minimum(jnp.minimum(room[pick], offered["draft"]), row_tree), 0))
             (draft_ranked, greedy, greedy_n), dkv = steps.switch(jnp.any(grown).astype(jnp.int32), [no_grow, grow],
                                                                  dkv, logits, size, jnp.maximum(deepest - 1, 0))
+        built, verified = {}, jnp.zeros(rows, bool)  # trees the committed tokens will judge; rows verifying one
         if t_nodes:  # rows with a tree budget: their proposer's best tree, as many nodes as a chain's drafts
             parents = chain_ = trees.chain_parents(rows, SPAN)
-            options = [(0, 0, jax.vmap(lambda h, s: lookup_tree(h, s, k, max_ngram, min_ngram, t_nodes))(history, size),
-                        capacity(k), ~hosted, jnp.minimum(room[pick], limit))]
-            if d_nodes:  # a draft model's tree, for rows whose drafts are not sampled
-                options.append((1, 1, draft_ranked, draft_tree_capacity(d_nodes), ~drawn,
+            # (proposer, candidates slot, ranked nodes, trie entries, rows whose tree is built, most nodes)
+            options = [("lookup", 0, jax.vmap(lambda h, s: lookup_tree(h, s, k, max_ngram, min_ngram, t_nodes))(
+                history, size), capacity(k), budgeted & ~hosted & (found > 0), jnp.minimum(room[pick], limit))]
+            if d_nodes:  # a draft model's tree, for rows that grew one
+                options.append(("draft", 1, draft_ranked, draft_tree_capacity(d_nodes), grown,
                                 jnp.minimum(room[pick], offered["draft"])))
             if f_nodes:  # a DFlash block's tree, for rows whose drafts are not sampled
-                options.append((len(models), len(candidates) - 1, block_ranked, tree_capacity(fk), ~drawn,
+                options.append(("dflash", len(candidates) - 1, block_ranked, tree_capacity(fk),
+                                budgeted & ~drawn & ran & (offered["dflash"] > 0),
                                 jnp.minimum(room[pick], offered["dflash"])))
-            for source, at_c, ranked, cap, allowed, most in options:
-                treed = (row_tree > 0) & (src == source) & (n > 0) & allowed
+            for name, at_c, ranked, cap, ready, most in options:
+                source = 0 if name == "lookup" else models.index(name) + 1
+                ready = ready & (most > 0)
+                treed = treeing[name] & ready & (src == source) & (n > 0)
                 nodes = ranked["token"].shape[1]
-                t_drafts, t_parents, t_main, t_n = trees.arrange(ranked, jnp.where(treed, jnp.minimum(most, row_tree),
+                t_drafts, t_parents, t_main, t_n = trees.arrange(ranked, jnp.where(ready, jnp.minimum(most, row_tree),
                                                                                    0), cap)
+                built[name] = (t_drafts, t_parents, t_n, ready)
+                verified = verified | treed
                 candidates[at_c] = jnp.where(treed[:, None], _fit(t_drafts, k), candidates[at_c])
                 n = jnp.where(treed, t_n, n)
                 parents = jnp.where(treed[:, None], jnp.concatenate([t_parents, chain_[:, nodes + 1:]], axis=1), parents)
                 main = jnp.where(treed[:, None], jnp.pad(t_main, ((0, 0), (0, SPAN - nodes - 1)), constant_values=True),
                                  main)
             if f_nodes and sample_drafts:  # sampled DFlash drafts: a tree of fixed shape (`drafters.sampled_tree`)
-                treed = (row_tree > 0) & (src == len(models)) & (n > 0) & drawn
+                treed = treeing["dflash"] & (src == len(models)) & (n > 0) & drawn
+                verified = verified | treed
                 s_drafts, s_parents, s_main, s_n, s_depth = sampled_tree(
                     block_drafts_, block_ranked["second"], jnp.where(treed, jnp.minimum(n, row_tree), 0), f_nodes)
                 at_c = len(candidates) - 1
@@ -439,6 +484,21 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             block_n = jnp.where(((subset & bit["dflash"]) > 0) & live, jnp.minimum(offered["dflash"], judged), 0)
             state = _score(state, jnp.full((rows,), column["dflash"], jnp.int32), block_drafts_, block_n, out, count,
                            jnp.where(block_n > 0, ACCEPT_DECAY, 1.0))
+        if t_nodes:  # the depth each shape held, where the committed tokens decide both (a draft chain round: its own)
+            chains = {"lookup": (lookup_drafts, jnp.minimum(found, judged))}
+            if d_nodes:
+                chains["draft"] = (greedy, jnp.minimum(jnp.minimum(room[pick], limit), greedy_n))
+            if f_nodes:
+                chains["dflash"] = (block_drafts_, jnp.minimum(offered["dflash"], judged))
+            for name, (t_drafts, t_parents, t_n, ready) in built.items():
+                c_drafts, c_n = chains[name]
+                ready = ready & (count > 0)
+                state = _fold_shapes(state, SOURCES.index(name), _held(c_drafts, c_n, out, count), ready,
+                                     _tree_held(t_drafts, t_parents, t_n, out, count), ready)
+            if d_nodes:
+                alone = budgeted & ~drawn & chained & ~grown & (model_n > 0) & (count > 0)
+                state = _fold_shapes(state, SOURCES.index("draft"), _held(model_drafts, model_n, out, count), alone,
+                                     jnp.zeros(rows, jnp.int32), jnp.zeros(rows, bool))
         history = jax.vmap(lambda h, o, s: jax.lax.dynamic_update_slice(h, o, (s,)))(history, out, size)
         committed = jnp.arange(SPAN)[None, :] < count[:, None]
         stopped = stopped | jnp.any(committed[:, :, None] & (out[:, :, None] == stops[:, None, :]), axis=(1, 2))
@@ -447,7 +507,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                "drafts": log["drafts"].at[i].set(jnp.where(count > 0, n, 0)),
                "width": log["width"].at[i].set(pick + subset * len(steps.BUCKETS)),
                "source": log["source"].at[i].set(jnp.where(n > 0, codes[src], -1)),
-               "branched": log["branched"].at[i].set(branched)}
+               "branched": log["branched"].at[i].set(branched),
+               "treed": log["treed"].at[i].set(verified & (count > 0))}
         return kv, dkv, fkv, history, size + count, made + count, i + 1, state, bad | nan, stopped, log
 
     def more(c):
@@ -458,11 +519,48 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     log = {"tokens": jnp.zeros((n_rounds, rows, SPAN), jnp.int32),
            "counts": jnp.zeros((n_rounds, rows), jnp.int32), "drafts": jnp.zeros((n_rounds, rows), jnp.int32),
            "width": jnp.full((n_rounds,), -1, jnp.int32), "source": jnp.full((n_rounds, rows), -1, jnp.int32),
-           "branched": jnp.zeros((n_rounds, rows), bool)}
+           "branched": jnp.zeros((n_rounds, rows), bool), "treed": jnp.zeros((n_rounds, rows), bool)}
     init = (kv, dkv, fkv, history, size, jnp.zeros(rows, jnp.int32), jnp.int32(0), state, jnp.bool_(False),
             jnp.zeros(rows, bool), log)
     kv, dkv, fkv, _, _, _, _, state, bad, _, log = jax.lax.while_loop(more, body, init)
     return log, bad, kv, dkv, fkv, state
+
+
+def _shape_means(state: dict) -> jax.Array:
+    """[R, SOURCES, (CHAIN, TREE)] the mean depth of each shape of a row's drafts per
+    proposer that the committed tokens held (SHAPE_PRIOR before any round)."""
+    sums = state["shapes"]
+    return (sums[..., 0] + SHAPE_PRIOR * PSEUDO) / (sums[..., 1] + PSEUDO)
+
+
+def _fold_shapes(state: dict, source: int, chain: jax.Array, chain_known: jax.Array, tree: jax.Array,
+                 tree_known: jax.Array) -> dict:
+    """Fold one round's depths held [R] by the chain and by the tree of proposer `source`
+    into the rows where they are known."""
+    shapes = state["shapes"]
+    for shape, held, known in ((CHAIN, chain, chain_known), (TREE, tree, tree_known)):
+        old = shapes[:, source, shape]
+        new = jnp.stack([old[:, 0] * ACCEPT_DECAY + held, old[:, 1] * ACCEPT_DECAY + 1.0], axis=1)
+        shapes = shapes.at[:, source, shape].set(jnp.where(known[:, None], new, old))
+    return {**state, "shapes": shapes}
+
+
+def _held(drafts: jax.Array, n: jax.Array, out: jax.Array, count: jax.Array) -> jax.Array:
+    """[R] how many of a chain's first n drafts [R, K] the committed tokens out[:, :count]
+    hold: those a step verifying the chain would have accepted, as far as count decides."""
+    k = drafts.shape[1]
+    hit = (drafts == out[:, :k]) & (jnp.arange(k)[None, :] < n[:, None])
+    return jnp.minimum(jnp.sum(jnp.cumprod(hit.astype(jnp.int32), axis=1), axis=1), count)
+
+
+def _tree_held(drafts: jax.Array, parents: jax.Array, n: jax.Array, out: jax.Array, count: jax.Array) -> jax.Array:
+    """[R] the depth of a tree (`trees.arrange`: drafts [R, N], parents [R, N + 1] with the
+    root first, n nodes) that the committed tokens out[:, :count] hold: the walk with
+    out[d] as the target's token after every node at depth d, as far as count decides."""
+    tokens = jnp.concatenate([jnp.zeros_like(drafts[:, :1]), drafts], axis=1)
+    depth = trees.depths(parents)
+    _, held = trees.walk(tokens, parents, n, jnp.take_along_axis(out, jnp.minimum(depth, out.shape[1] - 1), axis=1))
+    return jnp.minimum(held, count)
 
 
 def _by_source(src: jax.Array, options: list[jax.Array]) -> jax.Array:

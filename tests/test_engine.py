@@ -10,7 +10,7 @@ import specjax
 from specjax import Sampling, sampling as smp
 from specjax.costs import prior_width_costs
 from specjax.engine import Engine, Speculation
-from specjax.rounds import columns, rounds
+from specjax.rounds import new_state, rounds
 from specjax.kv import KVCache
 from specjax.results import GenerationError
 from specjax.pages import PoolError
@@ -186,9 +186,9 @@ def _chooser_call(model, history_rows, state_value, costs, row_k=7):
     kv = KVCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32),
                  1 + np.arange(rows * pages, dtype=np.int32).reshape(rows, pages), size - 1, page_size=16)
     accepted, judged = state_value
-    width = columns(3)
-    state = {"accepted": np.full((rows, 2, width), accepted, np.float32),
-             "judged": np.full((rows, 2, width), judged, np.float32)}
+    fresh = new_state(rows, 3)
+    state = {**fresh, "accepted": np.full_like(fresh["accepted"], accepted),
+             "judged": np.full_like(fresh["judged"], judged)}
     log, _, _, _, _, _ = rounds(
         model.params, cfg, kv, h, size, np.full(rows, 16, np.int32), np.full((rows, 8), -1, np.int32),
         np.full(rows, row_k, np.int32), np.ones((rows, 3), bool), state, np.asarray(costs, np.float32)[None],

@@ -29,13 +29,13 @@ def _alone(model, prompts, news, settings, seeds, stops):
 
 
 def test_tree_rows_equal_their_plain_run_alone(cyclic_target, rng):
-    """Trees of 2, 5 and 15 nodes (one engine, per-request budgets), greedy and sampled, a
-    stop id inside what a path may accept, at batch 4 and batch 1."""
+    """Trees of 2, 5 and 15 nodes and "auto" (one engine, per-request budgets), greedy and
+    sampled, a stop id inside what a path may accept, at batch 4 and batch 1."""
     model = cyclic_target
     v = model.config.vocab_size
     prompts = [_branchy_prompt(rng, v) for _ in range(4)]
     news = [40, 23, 31, 12]
-    budgets = [2, 5, 15, 15]
+    budgets = [2, 5, 15, "auto"]
     settings = [Sampling(), Sampling(0.8), Sampling(), Sampling(1.0, top_k=20)]
     seeds = [int(s) for s in rng.integers(0, 2 ** 31, 4)]
     full = _alone(model, prompts, news, settings, seeds, [()] * 4)
@@ -69,9 +69,36 @@ def test_trees_branch_and_chains_stay_chains(cyclic_target):
     assert sum(r.stats.branched for r in reqs[3:]) == 0
 
 
+def test_auto_rows_draft_the_shape_that_has_held_more(cyclic_target):
+    """tree="auto": a row whose trees have held deeper than its chains drafts trees, one
+    whose chains have held deeper drafts chains; a row with a node budget drafts trees
+    whatever has held more; all equal their runs alone. A fresh auto row measures both."""
+    model = cyclic_target
+    rng = np.random.default_rng(2)
+    prompts = [_branchy_prompt(rng, model.config.vocab_size) for _ in range(5)]
+    want = _alone(model, prompts, [12] * 5, [Sampling()] * 5, [0] * 5, [()] * 5)
+    engine = Engine(model, Speculation(k=15, tree="auto"), max_batch=8, max_len=256)
+    reqs = [engine.submit(p, max_new_tokens=12, stop_ids=(), tree=t)
+            for p, t in zip(prompts, ["auto", "auto", 15, 0, "auto"])]
+    deep, shallow = np.array([2500.0, 500.0]), np.array([500.0, 500.0])  # (summed depth, rounds): 5 and 1
+    for r, (chain, tree) in zip(reqs[:3], [(shallow, deep), (deep, shallow), (deep, shallow)]):
+        r.state["shapes"][0] = [chain, tree]  # prompt lookup's chains and trees
+    engine.run()
+    assert [r.tokens for r in reqs] == want
+    drafting = [sum(k > 0 for k in r.stats.ks) for r in reqs]
+    assert min(drafting[:3]) > 0
+    assert [r.stats.tree_steps for r in reqs[:4]] == [drafting[0], 0, drafting[2], 0]
+    assert np.all(reqs[4].state["shapes"][0, :, 1] > 0)  # its chains and its trees were both judged
+
+
 def test_bad_tree_settings_are_refused(cyclic_target):
     with pytest.raises(ProposerError, match="tree must be an integer in"):
         Speculation(k=7, tree=16)
     engine = Engine(cyclic_target, Speculation(k=7, tree=4), max_batch=1, max_len=64)
     with pytest.raises(GenerationError, match=r"tree must be an integer in \[0, 4\]"):
         engine.submit([1, 2, 3], max_new_tokens=4, tree=5)
+    with pytest.raises(ProposerError, match="or 'auto', got 'yes'"):
+        Speculation(k=7, tree="yes")
+    chains = Engine(cyclic_target, Speculation(k=7), max_batch=1, max_len=64)
+    with pytest.raises(GenerationError, match=r"tree must be an integer in \[0, 0\].*got 'auto'"):
+        chains.submit([1, 2, 3], max_new_tokens=4, tree="auto")
