@@ -50,8 +50,8 @@ from . import steps, trees
 from .checkpoint import Params
 from .config import Qwen3Config
 from .dflash import DFlashConfig
-from .drafters import (DFlashCache, Head, block_drafts, chain, draft_token, draft_tree, draft_tree_capacity, feed,
-                       sampled_tree, stash, tree_capacity)
+from .drafters import (DFlashCache, Head, block_drafts, chain, draft_sampled_tree, draft_token, draft_tree,
+                       draft_tree_capacity, feed, sampled_tree, stash, tree_capacity)
 from .kv import KVCache, write_layer
 from .lookup import ACCEPT_DECAY, PRIOR_ACCEPT, PSEUDO, capacity, expected_tokens, find, tree as lookup_tree
 from .qwen3 import hidden_states, unembed
@@ -234,23 +234,10 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     t_nodes = min(tree, k)  # a tree has at most as many nodes as a chain has drafts
     f_nodes = min(tree, fk)
     d_nodes = t_nodes if dcfg is not None else 0
-    sampled_trees = bool(f_nodes) and sample_drafts  # only sampled DFlash drafts branch
+    sampled_trees = bool(f_nodes or d_nodes) and sample_drafts  # sampled model drafts may branch
 
     def branch(width):
-        def go(carry, size, last, candidates, logqs, first, first_logq, src, n, live, chained, parents, grown):
-            kv, dkv = carry
-            if dcfg is not None:
-                model_drafts, logq = first[:, None], None if first_logq is None else first_logq[:, None]
-                if k > 1:
-                    steps_n = jnp.where(chained, max(min(width - 1, k) - 1, 0), 0)
-                    model_drafts, logq, dkv = chain(dparams, dcfg, dkv, first, first_logq, size, steps_n, k,
-                                                    seeds, rs, drawn, sample_drafts)
-                # the draft model's slot: its tree where the row grew one, else its chain
-                candidates = [candidates[0], jnp.where(grown[:, None], candidates[1], _fit(model_drafts, k))] + \
-                    candidates[2:]
-                logqs = [None if logq is None else _fit(logq, k)] + logqs
-            else:
-                model_drafts = candidates[0][:, :1]
+        def go(kv, last, candidates, logqs, src, n, live, parents):
             drafts = _by_source(src, candidates)
             logq = _by_source(src - 1, logqs) if sample_drafts and models else None
             out, count, bad, kv, tapped, path = _verify(params, cfg, kv, last, drafts, n, live, (src > 0) & drawn,
@@ -258,7 +245,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                                                         sampled_trees)
             if tapped is not None:  # padded to SPAN, so every width returns one shape
                 tapped = jnp.pad(tapped, ((0, 0), (0, 0), (0, SPAN - width), (0, 0)))
-            return (out, count, bad, model_drafts, tapped, path), (kv, dkv)
+            return (out, count, bad, tapped, path), kv
         return go
 
     def feed_at(width):
@@ -351,8 +338,9 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         n = jnp.where(pick > 0, jnp.minimum(room[pick], offer), 0)
         last = jnp.take_along_axis(history, jnp.maximum(size - 1, 0)[:, None], axis=1)[:, 0]
         candidates, logqs = [_fit(lookup_drafts, k)], []
-        if dcfg is not None:  # the draft model's slot: filled below for its trees, in the branch for its chains
+        if dcfg is not None:  # the draft model's slot: its chain, filled below (and its trees after it)
             candidates.append(jnp.zeros((rows, k), jnp.int32))
+            logqs.append(None)
         block_drafts_ = block_ranked = None
         if fcfg is not None:  # DFlash's block pass, when the round uses it
             ran = (subset & bit["dflash"]) > 0
@@ -367,6 +355,16 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             deepest = jnp.max(jnp.where(grown, jnp.minimum(jnp.minimum(room[pick], offered["draft"]), row_tree), 0))
             (draft_ranked, greedy, greedy_n), dkv = steps.switch(jnp.any(grown).astype(jnp.int32), [no_grow, grow],
                                                                  dkv, logits, size, jnp.maximum(deepest - 1, 0))
+        chained = False
+        if dcfg is not None:  # its chain, once before the step, when the round uses it and some row takes it
+            chained = ((subset & bit["draft"]) > 0) & jnp.any(live & (src == 1) & ~grown)
+            model_drafts, model_logq = first[:, None], None if first_logq is None else first_logq[:, None]
+            if k > 1:  # as many drafts as the chosen width judges
+                model_drafts, model_logq, dkv = chain(dparams, dcfg, dkv, first, first_logq, size,
+                                                      jnp.where(chained, jnp.maximum(room[pick] - 1, 0), 0), k,
+                                                      seeds, rs, drawn, sample_drafts)
+            candidates[1] = _fit(model_drafts, k)
+            logqs[0] = None if model_logq is None else _fit(model_logq, k)
         if t_nodes:  # rows with a tree budget: their proposer's best tree, as many nodes as a chain's drafts
             parents = chain_ = trees.chain_parents(rows, SPAN)
             options = [(0, 0, jax.vmap(lambda h, s: lookup_tree(h, s, k, max_ngram, min_ngram, t_nodes))(history, size),
@@ -387,6 +385,16 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 parents = jnp.where(treed[:, None], jnp.concatenate([t_parents, chain_[:, nodes + 1:]], axis=1), parents)
                 main = jnp.where(treed[:, None], jnp.pad(t_main, ((0, 0), (0, SPAN - nodes - 1)), constant_values=True),
                                  main)
+            if d_nodes > 1 and sample_drafts:  # sampled draft-model drafts: `draft_sampled_tree`
+                treed = (row_tree > 0) & (src == 1) & (n > 0) & drawn
+                s_drafts, s_parents, s_main, s_n = draft_sampled_tree(
+                    model_drafts, model_logq, size, seeds, jnp.where(treed, jnp.minimum(n, row_tree), 0), d_nodes)
+                candidates[1] = jnp.where(treed[:, None], _fit(s_drafts, k), candidates[1])
+                n = jnp.where(treed, s_n, n)
+                parents = jnp.where(treed[:, None], jnp.concatenate([s_parents, chain_[:, d_nodes + 1:]], axis=1),
+                                    parents)
+                main = jnp.where(treed[:, None], jnp.pad(s_main, ((0, 0), (0, SPAN - d_nodes - 1)),
+                                                         constant_values=True), main)
             if f_nodes and sample_drafts:  # sampled DFlash drafts: a tree of fixed shape (`drafters.sampled_tree`)
                 treed = (row_tree > 0) & (src == len(models)) & (n > 0) & drawn
                 s_drafts, s_parents, s_main, s_n, s_depth = sampled_tree(
@@ -403,11 +411,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                                           + jnp.zeros((rows, 1), jnp.int32)], axis=1)[:, :k]
                 node_q = jnp.take_along_axis(logqs[-1], jnp.minimum(rows_q, k - 1)[:, :, None], axis=1)
                 logqs[-1] = jnp.where(treed[:, None, None], node_q, logqs[-1])
-        # the draft model's chain runs when the round uses it and some row takes it as a chain
-        chained = ((subset & bit["draft"]) > 0) & jnp.any(live & (src == 1) & ~grown) if dcfg is not None else False
-        (out, count, nan, model_drafts, tapped, path), (kv, dkv) = steps.switch(
-            pick, [branch(w) for w in widths], (kv, dkv), size, last, candidates, logqs, first, first_logq,
-            src, n, live, chained, parents, grown)
+        (out, count, nan, tapped, path), kv = steps.switch(pick, [branch(w) for w in widths], kv, last, candidates,
+                                                           logqs, src, n, live, parents)
         if t_nodes:  # the accepted paths become plain prefixes (taps past the width are stale anyway)
             kv = compact_paths(kv, path, count)
             if tapped is not None:

@@ -228,3 +228,41 @@ def test_one_tree_budget_covers_the_draft_model(pair):
     options, _ = engine_options(Adaptive(NgramProposer(k=7, tree=3), DraftProposer(draft, k=7, tree=9)))
     assert options["speculative"].tree == 9
     assert engine_options(DraftProposer(draft, k=5, tree=4))[0]["speculative"].tree == 4
+
+
+def test_sampled_draft_trees_equal_their_run_alone_branch_and_keep_the_draft_cache(pair, rng):
+    """Sampled draft-model drafts (sample_drafts) as trees (`drafters.draft_sampled_tree`):
+    tree rows (budgets 5 and 15, one with a stop id inside what a path may accept) and a
+    sampled chain row (tree=0) in a batch of 4 equal the same requests run alone on an
+    engine of one row (the drafts are position-keyed draws, so the batch changes nothing);
+    after every call the draft cache holds exactly the committed tokens; tree rows'
+    accepted paths leave the spine somewhere, the chain row's never."""
+    target, draft = pair
+    v = target.config.vocab_size
+    prompts = [rng.integers(0, v, int(n)) for n in rng.integers(6, 20, 4)]
+    news, budgets = [40, 33, 40, 40], [15, 5, 15, 0]
+    settings = [Sampling(1.0), Sampling(0.8), Sampling(1.0, top_k=20), Sampling(1.0)]
+    seeds = [int(s) for s in rng.integers(0, 2 ** 31, 4)]
+    spec = Speculation(k=15, tree=15, adaptive=False)
+
+    def submit(engine, i, stops):
+        return engine.submit(prompts[i], max_new_tokens=news[i], sampling=settings[i], seed=seeds[i],
+                             stop_ids=stops, tree=budgets[i], lookup=False)
+    batch = Engine(target, spec, draft=draft, sample_drafts=True, max_batch=4, max_len=256, rounds=4)
+    free = [submit(batch, i, ()) for i in range(4)]
+    batch.run()
+    stop = next((x for i, x in enumerate(free[1].tokens) if i >= 8 and x not in free[1].tokens[:i]), None)
+    stops = [(), () if stop is None else (stop,), (), ()]
+    solo = Engine(target, spec, draft=draft, sample_drafts=True, max_batch=1, max_len=256, rounds=4)
+    want = [submit(solo, i, stops[i]).result().tokens for i in range(4)]
+    reqs = [submit(batch, i, stops[i]) for i in range(4)]
+    keys = _fresh_keys(draft)
+    while batch.has_work():
+        batch.step()
+        for r in batch.running:
+            _cache_holds_committed(batch, r, keys)
+    assert [r.tokens for r in reqs] == want
+    assert stop is None or want[1][-1] == stop
+    assert all(r.stats.drafted > 0 for r in reqs)
+    assert sum(r.stats.branched for r in free[:3] + reqs[:3]) > 0
+    assert free[3].stats.branched == reqs[3].stats.branched == 0
