@@ -65,8 +65,8 @@ def _add_speculation(p) -> None:
                       help="sample draft-model / DFlash tokens (general acceptance rule)")
     spec.add_argument("--tree", type=int, default=0, metavar="N",
                       help="draft trees of up to N nodes, verified in one step (0: chains): prompt lookup where "
-                           "earlier matches continue differently, a draft model's (greedy drafts) and a DFlash "
-                           "drafter's best nodes")
+                           "earlier matches continue differently, a draft model's and a DFlash drafter's "
+                           "best nodes (sampled drafts: the chain plus second children)")
 
 
 def _add_generate(sub) -> None:

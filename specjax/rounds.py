@@ -23,7 +23,9 @@ One round, for every row at once:
    chains). A row with a tree budget drafts a tree instead of a chain: lookup rows the
    trie of their matches, draft-model rows with greedy drafts the model's best nodes by
    cumulative log-probability (EAGLE-2; a tree round keeps none of its fed drafts in the
-   draft cache, whose next feed re-feeds what was committed), DFlash rows the block's
+   draft cache, whose next feed re-feeds what was committed) and with sampled drafts the
+   chain plus second children (`drafters.draft_sampled_tree`, from the chain's own steps'
+   q; the cache keeps the spine's committed prefix, as a chain's), DFlash rows the block's
    best tree (deterministic drafts) or,
    for sampled drafts, a tree whose shape the node budget alone fixes
    (`drafters.sampled_tree`: the chain plus second children, drawn without replacement at
@@ -205,8 +207,9 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     sampled (`drafters.block_tree`, verified by `trees.walk`), and when they are a tree
     whose shape only the node budget fixes (`drafters.sampled_tree`: the chain's own draws
     plus second children, drawn without replacement from the same block rows, verified by
-    `tree_accept.accept_tree_rows`), and a row taking greedy draft-model drafts the draft
-    model's best tree (`drafters.draft_tree`, EAGLE-2: a frontier of the best nodes by
+    `tree_accept.accept_tree_rows`), a row taking sampled draft-model drafts the same
+    shape over the chain's draws (`drafters.draft_sampled_tree`), and a row taking greedy
+    draft-model drafts the draft model's best tree (`drafters.draft_tree`, EAGLE-2: a frontier of the best nodes by
     cumulative log-prob expanded one draft step per depth, run in place of the chain when
     no row takes the chain; its nodes sit at scratch slots of the draft cache, which
     keeps none of them), at most as many nodes as the chain would have drafts (and
@@ -349,7 +352,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             candidates.append(_fit(block_drafts_, k))
             logqs.append(None if block_logq is None else _fit(block_logq, k))
         parents, main = None, jnp.ones((rows, SPAN), bool)
-        grown = jnp.zeros(rows, bool)  # rows drafting a draft-model tree (greedy drafts only)
+        grown = jnp.zeros(rows, bool)  # rows drafting a draft-model best tree (greedy drafts)
         if d_nodes:  # the draft model's best tree (`drafters.draft_tree`), as deep as the deepest row needs
             grown = (row_tree > 0) & (src == 1) & (n > 0) & ~drawn
             deepest = jnp.max(jnp.where(grown, jnp.minimum(jnp.minimum(room[pick], offered["draft"]), row_tree), 0))
