@@ -77,9 +77,9 @@ def _add_speculation(p) -> None:
                       help="sample draft-model / DFlash tokens (general acceptance rule)")
     spec.add_argument("--tree", type=_nodes_or_auto, default=0, metavar="N|auto",
                       help="draft trees of up to N nodes, verified in one step (0: chains): prompt lookup where "
-                           "earlier matches continue differently, a draft model's (greedy drafts) and a DFlash "
-                           "drafter's best nodes; auto: up to 15 nodes, the tree or the chain each round, "
-                           "whichever has held more")
+                           "earlier matches continue differently, a draft model's and a DFlash drafter's "
+                           "best nodes (sampled drafts: the chain plus second children); auto: up to 15 nodes, "
+                           "the tree or the chain each round, whichever has held more")
 
 
 def _add_generate(sub) -> None:

@@ -214,6 +214,36 @@ def draft_tree(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, logits: jax.Arr
     return ranked, greedy, jnp.sum(on_chain, axis=1).astype(jnp.int32), dkv
 
 
+def draft_sampled_tree(drafts: jax.Array, logq: jax.Array, size: jax.Array, seeds: jax.Array, nodes: jax.Array,
+                       width: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """A tree of SAMPLED draft-model drafts, verified by `tree_accept.accept_tree_rows`.
+
+    The shape is `sampled_tree`'s, fixed by the node budget alone (`sampled_tree_shape`):
+    a spine, the chain's own draws (`chain`, so a tree row's randomness is its chain's),
+    and second children under the shallowest spine nodes. Unlike a DFlash block's, the
+    draft's q depends on the path, so node d's children must come from q after spine node
+    d, which is what the chain's step there gave (logq[:, d]): the second child is the
+    second token of a draw without replacement (`children_without_replacement`) from that
+    q on the chain's own key there (seed, DRAFT stream, position size + d), whose first
+    token is the spine's. So no draft step beyond the chain's is needed, and every node's
+    children's q is the chain's logq at the node's id: the spine keeps its ids, and the
+    second children are leaves, whose q the rule never reads. Deeper trees (subtrees under
+    second children) would need draft steps over them, and cost a frontier as
+    `draft_tree` does.
+
+    drafts [R, >= width] the chain's draws (d1 at position size); logq [R, >= width, V]
+    their q; seeds [R]; nodes [R] (at most width, the static most nodes). Returns (tokens
+    [R, width], parents [R, width + 1] with the root first, main [R, width + 1]: the
+    spine, the nodes drafted [R])."""
+    depth = max(1, width // 3) if width >= 2 else 0  # most second children (`sampled_tree_shape`)
+    keys = jax.vmap(lambda s, p: jax.vmap(lambda q: smp.position_key(s, smp.DRAFT, q))(p))(
+        seeds, size[:, None] + jnp.arange(depth))
+    pairs = jax.vmap(jax.vmap(lambda lq, key: children_without_replacement(lq, key, 2)))(logq[:, :depth], keys)
+    second = jnp.pad(pairs[..., 1], ((0, 0), (0, width - depth)), constant_values=-1)
+    tokens, parents, main, n, _ = sampled_tree(drafts, second, nodes, width)
+    return tokens, parents, main, n
+
+
 def write_context(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, taps: jax.Array, start: jax.Array) -> KVCache:
     """Context rows of target taps [n, R, T, D] (row r's tokens at start[r] + t) into the
     DFlash pools; lengths are not kept here (the target cache's lengths are the context's)."""

@@ -54,8 +54,9 @@ class Speculation:
     for sampled ones a tree of fixed shape, the chain plus second children drawn without
     replacement (`drafters.sampled_tree`, verified by `tree_accept.accept_tree_rows`);
     and so does a draft model for greedy drafts: its best tree by cumulative draft
-    log-probability (`drafters.draft_tree`, EAGLE-2; sampled draft-model drafts stay
-    chains). One budget covers every proposer's trees; 0: chains.
+    log-probability (`drafters.draft_tree`, EAGLE-2), and for sampled ones the chain plus
+    second children (`drafters.draft_sampled_tree`, verified as sampled DFlash trees are).
+    One budget covers every proposer's trees; 0: chains.
 
     tree="auto": trees of up to SPAN - 1 nodes, but each round a row drafts, per proposer,
     the shape whose drafts have held deeper: every round that drafts both (lookup always,

@@ -94,8 +94,12 @@ class DraftProposer:
     expanded by its top tokens, then the best `tree` of all nodes kept), so where the
     draft is unsure the tree holds its runners-up. Output is still exactly plain
     decoding's (greedy and sampled targets: the drafts are deterministic). Sampled drafts
-    (sample=True) stay chains. 0: chains; "auto": the tree or the chain each round,
-    whichever has held more (`specjax.Speculation`).
+    (sample=True) form a tree of fixed shape instead: the chain's own draws plus second
+    children drawn without replacement from the q of the chain's steps
+    (`specjax.drafters.draft_sampled_tree`), accepted by recursive rejection sampling
+    (`specjax.tree_accept`), so the output follows the target's distribution. 0: chains;
+    "auto": the tree or the chain each round, whichever has held more
+    (`specjax.Speculation`; sampled drafts then stay chains).
     """
 
     model: Model

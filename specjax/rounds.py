@@ -23,7 +23,9 @@ One round, for every row at once:
    chains). A row with a tree budget drafts a tree instead of a chain: lookup rows the
    trie of their matches, draft-model rows with greedy drafts the model's best nodes by
    cumulative log-probability (EAGLE-2; a tree round keeps none of its fed drafts in the
-   draft cache, whose next feed re-feeds what was committed), DFlash rows the block's
+   draft cache, whose next feed re-feeds what was committed) and with sampled drafts the
+   chain plus second children (`drafters.draft_sampled_tree`, from the chain's own steps'
+   q; the cache keeps the spine's committed prefix, as a chain's), DFlash rows the block's
    best tree (deterministic drafts) or,
    for sampled drafts, a tree whose shape the node budget alone fixes
    (`drafters.sampled_tree`: the chain plus second children, drawn without replacement at
@@ -51,8 +53,8 @@ from . import steps, trees
 from .checkpoint import Params
 from .config import Qwen3Config
 from .dflash import DFlashConfig
-from .drafters import (DFlashCache, Head, block_drafts, chain, draft_token, draft_tree, draft_tree_capacity, feed,
-                       sampled_tree, stash, tree_capacity)
+from .drafters import (DFlashCache, Head, block_drafts, chain, draft_sampled_tree, draft_token, draft_tree,
+                       draft_tree_capacity, feed, sampled_tree, stash, tree_capacity)
 from .kv import KVCache, write_layer
 from .lookup import ACCEPT_DECAY, PRIOR_ACCEPT, PSEUDO, capacity, expected_tokens, find, tree as lookup_tree
 from .qwen3 import hidden_states, unembed
@@ -219,8 +221,9 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     sampled (`drafters.block_tree`, verified by `trees.walk`), and when they are a tree
     whose shape only the node budget fixes (`drafters.sampled_tree`: the chain's own draws
     plus second children, drawn without replacement from the same block rows, verified by
-    `tree_accept.accept_tree_rows`), and a row taking greedy draft-model drafts the draft
-    model's best tree (`drafters.draft_tree`, EAGLE-2: a frontier of the best nodes by
+    `tree_accept.accept_tree_rows`), a row taking sampled draft-model drafts the same
+    shape over the chain's draws (`drafters.draft_sampled_tree`), and a row taking greedy
+    draft-model drafts the draft model's best tree (`drafters.draft_tree`, EAGLE-2: a frontier of the best nodes by
     cumulative log-prob expanded one draft step per depth, run in place of the chain when
     no row takes the chain; its nodes sit at scratch slots of the draft cache, which
     keeps none of them), at most as many nodes as the chain would have drafts (and
@@ -252,23 +255,10 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     t_nodes = min(tree, k)  # a tree has at most as many nodes as a chain has drafts
     f_nodes = min(tree, fk)
     d_nodes = t_nodes if dcfg is not None else 0
-    sampled_trees = bool(f_nodes) and sample_drafts  # only sampled DFlash drafts branch
+    sampled_trees = bool(f_nodes or d_nodes) and sample_drafts  # sampled model drafts may branch
 
     def branch(width):
-        def go(carry, size, last, candidates, logqs, first, first_logq, src, n, live, chained, parents, grown):
-            kv, dkv = carry
-            if dcfg is not None:
-                model_drafts, logq = first[:, None], None if first_logq is None else first_logq[:, None]
-                if k > 1:
-                    steps_n = jnp.where(chained, max(min(width - 1, k) - 1, 0), 0)
-                    model_drafts, logq, dkv = chain(dparams, dcfg, dkv, first, first_logq, size, steps_n, k,
-                                                    seeds, rs, drawn, sample_drafts)
-                # the draft model's slot: its tree where the row grew one, else its chain
-                candidates = [candidates[0], jnp.where(grown[:, None], candidates[1], _fit(model_drafts, k))] + \
-                    candidates[2:]
-                logqs = [None if logq is None else _fit(logq, k)] + logqs
-            else:
-                model_drafts = candidates[0][:, :1]
+        def go(kv, last, candidates, logqs, src, n, live, parents):
             drafts = _by_source(src, candidates)
             logq = _by_source(src - 1, logqs) if sample_drafts and models else None
             out, count, bad, kv, tapped, path = _verify(params, cfg, kv, last, drafts, n, live, (src > 0) & drawn,
@@ -276,7 +266,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                                                         sampled_trees)
             if tapped is not None:  # padded to SPAN, so every width returns one shape
                 tapped = jnp.pad(tapped, ((0, 0), (0, 0), (0, SPAN - width), (0, 0)))
-            return (out, count, bad, model_drafts, tapped, path), (kv, dkv)
+            return (out, count, bad, tapped, path), kv
         return go
 
     def feed_at(width):
@@ -337,7 +327,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                     continue
                 j = SOURCES.index(name)
                 wins = means[:, j, TREE] >= means[:, j, CHAIN]
-                may = ~hosted if name == "lookup" else ~drawn if name == "draft" else jnp.ones(rows, bool)
+                may = ~hosted if name == "lookup" else jnp.ones(rows, bool)
                 picked = wins if name == "lookup" else wins & ~drawn  # (a sampled tree's depth is never measured)
                 treeing[name] = budgeted & may & jnp.where(auto, picked, True)
                 gain = jnp.where(treeing[name], means[:, j, TREE] / means[:, j, CHAIN], 1.0)[:, None]
@@ -388,8 +378,9 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         n = jnp.where(pick > 0, jnp.minimum(room[pick], offer), 0)
         last = jnp.take_along_axis(history, jnp.maximum(size - 1, 0)[:, None], axis=1)[:, 0]
         candidates, logqs = [_fit(lookup_drafts, k)], []
-        if dcfg is not None:  # the draft model's slot: filled below for its trees, in the branch for its chains
+        if dcfg is not None:  # the draft model's slot: its chain, filled below (and its trees after it)
             candidates.append(jnp.zeros((rows, k), jnp.int32))
+            logqs.append(None)
         block_drafts_ = block_ranked = None
         if fcfg is not None:  # DFlash's block pass, when the round uses it
             ran = (subset & bit["dflash"]) > 0
@@ -398,13 +389,23 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             candidates.append(_fit(block_drafts_, k))
             logqs.append(None if block_logq is None else _fit(block_logq, k))
         parents, main = None, jnp.ones((rows, SPAN), bool)
-        grown = jnp.zeros(rows, bool)  # rows drafting a draft-model tree (greedy drafts only)
+        grown = jnp.zeros(rows, bool)  # rows drafting a draft-model best tree (greedy drafts)
         if d_nodes:  # the draft model's best tree (`drafters.draft_tree`), as deep as the deepest row needs
-            grown = treeing["draft"] & (src == 1) & (n > 0)
+            grown = treeing["draft"] & ~drawn & (src == 1) & (n > 0)
             deepest = jnp.max(jnp.where(grown, jnp.minimum(jnp.minimum(room[pick], offered["draft"]), row_tree), 0))
             (draft_ranked, greedy, greedy_n), dkv = steps.switch(jnp.any(grown).astype(jnp.int32), [no_grow, grow],
                                                                  dkv, logits, size, jnp.maximum(deepest - 1, 0))
         built, verified = {}, jnp.zeros(rows, bool)  # trees the committed tokens will judge; rows verifying one
+        chained = False
+        if dcfg is not None:  # its chain, once before the step, when the round uses it and some row takes it
+            chained = ((subset & bit["draft"]) > 0) & jnp.any(live & (src == 1) & ~grown)
+            model_drafts, model_logq = first[:, None], None if first_logq is None else first_logq[:, None]
+            if k > 1:  # as many drafts as the chosen width judges
+                model_drafts, model_logq, dkv = chain(dparams, dcfg, dkv, first, first_logq, size,
+                                                      jnp.where(chained, jnp.maximum(room[pick] - 1, 0), 0), k,
+                                                      seeds, rs, drawn, sample_drafts)
+            candidates[1] = _fit(model_drafts, k)
+            logqs[0] = None if model_logq is None else _fit(model_logq, k)
         if t_nodes:  # rows with a tree budget: their proposer's best tree, as many nodes as a chain's drafts
             parents = chain_ = trees.chain_parents(rows, SPAN)
             # (proposer, candidates slot, ranked nodes, trie entries, rows whose tree is built, most nodes)
@@ -431,6 +432,17 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 parents = jnp.where(treed[:, None], jnp.concatenate([t_parents, chain_[:, nodes + 1:]], axis=1), parents)
                 main = jnp.where(treed[:, None], jnp.pad(t_main, ((0, 0), (0, SPAN - nodes - 1)), constant_values=True),
                                  main)
+            if d_nodes > 1 and sample_drafts:  # sampled draft-model drafts: `draft_sampled_tree`
+                treed = treeing["draft"] & drawn & (src == 1) & (n > 0)
+                verified = verified | treed
+                s_drafts, s_parents, s_main, s_n = draft_sampled_tree(
+                    model_drafts, model_logq, size, seeds, jnp.where(treed, jnp.minimum(n, row_tree), 0), d_nodes)
+                candidates[1] = jnp.where(treed[:, None], _fit(s_drafts, k), candidates[1])
+                n = jnp.where(treed, s_n, n)
+                parents = jnp.where(treed[:, None], jnp.concatenate([s_parents, chain_[:, d_nodes + 1:]], axis=1),
+                                    parents)
+                main = jnp.where(treed[:, None], jnp.pad(s_main, ((0, 0), (0, SPAN - d_nodes - 1)),
+                                                         constant_values=True), main)
             if f_nodes and sample_drafts:  # sampled DFlash drafts: a tree of fixed shape (`drafters.sampled_tree`)
                 treed = treeing["dflash"] & (src == len(models)) & (n > 0) & drawn
                 verified = verified | treed
@@ -448,11 +460,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                                           + jnp.zeros((rows, 1), jnp.int32)], axis=1)[:, :k]
                 node_q = jnp.take_along_axis(logqs[-1], jnp.minimum(rows_q, k - 1)[:, :, None], axis=1)
                 logqs[-1] = jnp.where(treed[:, None, None], node_q, logqs[-1])
-        # the draft model's chain runs when the round uses it and some row takes it as a chain
-        chained = ((subset & bit["draft"]) > 0) & jnp.any(live & (src == 1) & ~grown) if dcfg is not None else False
-        (out, count, nan, model_drafts, tapped, path), (kv, dkv) = steps.switch(
-            pick, [branch(w) for w in widths], (kv, dkv), size, last, candidates, logqs, first, first_logq,
-            src, n, live, chained, parents, grown)
+        (out, count, nan, tapped, path), kv = steps.switch(pick, [branch(w) for w in widths], kv, last, candidates,
+                                                           logqs, src, n, live, parents)
         if t_nodes:  # the accepted paths become plain prefixes (taps past the width are stale anyway)
             kv = compact_paths(kv, path, count)
             if tapped is not None:

@@ -228,3 +228,93 @@ def test_one_tree_budget_covers_the_draft_model(pair):
     options, _ = engine_options(Adaptive(NgramProposer(k=7, tree=3), DraftProposer(draft, k=7, tree=9)))
     assert options["speculative"].tree == 9
     assert engine_options(DraftProposer(draft, k=5, tree=4))[0]["speculative"].tree == 4
+
+
+def test_sampled_draft_trees_equal_their_run_alone_branch_and_keep_the_draft_cache(pair, rng):
+    """Sampled draft-model drafts (sample_drafts) as trees (`drafters.draft_sampled_tree`):
+    tree rows (budgets 5 and 15, one with a stop id inside what a path may accept) and a
+    sampled chain row (tree=0) in a batch of 4 equal the same requests run alone on an
+    engine of one row (the drafts are position-keyed draws, so the batch changes nothing);
+    after every call the draft cache holds exactly the committed tokens; tree rows'
+    accepted paths leave the spine somewhere, the chain row's never."""
+    target, draft = pair
+    v = target.config.vocab_size
+    prompts = [rng.integers(0, v, int(n)) for n in rng.integers(6, 20, 4)]
+    news, budgets = [40, 33, 40, 40], [15, 5, 15, 0]
+    settings = [Sampling(1.0), Sampling(0.8), Sampling(1.0, top_k=20), Sampling(1.0)]
+    seeds = [int(s) for s in rng.integers(0, 2 ** 31, 4)]
+    spec = Speculation(k=15, tree=15, adaptive=False)
+
+    def submit(engine, i, stops):
+        return engine.submit(prompts[i], max_new_tokens=news[i], sampling=settings[i], seed=seeds[i],
+                             stop_ids=stops, tree=budgets[i], lookup=False)
+    batch = Engine(target, spec, draft=draft, sample_drafts=True, max_batch=4, max_len=256, rounds=4)
+    free = [submit(batch, i, ()) for i in range(4)]
+    batch.run()
+    stop = next((x for i, x in enumerate(free[1].tokens) if i >= 8 and x not in free[1].tokens[:i]), None)
+    stops = [(), () if stop is None else (stop,), (), ()]
+    solo = Engine(target, spec, draft=draft, sample_drafts=True, max_batch=1, max_len=256, rounds=4)
+    want = [submit(solo, i, stops[i]).result().tokens for i in range(4)]
+    reqs = [submit(batch, i, stops[i]) for i in range(4)]
+    keys = _fresh_keys(draft)
+    while batch.has_work():
+        batch.step()
+        for r in batch.running:
+            _cache_holds_committed(batch, r, keys)
+    assert [r.tokens for r in reqs] == want
+    assert stop is None or want[1][-1] == stop
+    assert all(r.stats.drafted > 0 for r in reqs)
+    assert sum(r.stats.branched for r in free[:3] + reqs[:3]) > 0
+    assert free[3].stats.branched == reqs[3].stats.branched == 0
+
+
+def test_sampled_draft_tree_rule_follows_the_target_law():
+    """`drafters.draft_sampled_tree` + `tree_accept.accept_tree_rows` on Markov models over
+    8 tokens (target and draft laws depend on the last token, so q differs per node):
+    chains drawn as `drafters.chain` draws them, trees of 6 nodes (spine 4, second children
+    under the root and node 1), over 20000 seeds; the first two committed tokens (the
+    second drawn from the target after the first where only one was committed) follow the
+    exact law p(a) p(b | a) (chi-square)."""
+    from scipy import stats
+    from specjax import sampling as smp
+    from specjax.drafters import draft_sampled_tree
+    from specjax import trees
+    from specjax.tree_accept import accept_tree_rows
+
+    v, rows, nodes, size = 8, 20000, 6, 7
+    rng = np.random.default_rng(4)
+    p_logits = jnp.asarray(rng.normal(size=(v, v)) * 1.5, jnp.float32)  # target logits after each token
+    q_logits = jnp.asarray(rng.normal(size=(v, v)) * 1.5, jnp.float32)  # the draft's
+    root = 3
+    rs = smp.RowSampling.of([Sampling(1.0)] * rows)
+    seeds = jnp.arange(rows, dtype=jnp.uint32)
+    sizes = jnp.full((rows,), size, jnp.int32)
+
+    @jax.jit
+    def run(p_logits, q_logits, seeds, sizes):
+        last, drafts, logqs = jnp.full((rows,), root), [], []
+        for d in range(nodes):  # the chain: draft d at position size + d, from q after the previous token
+            lq = smp.transform_rows(q_logits[last], rs)
+            keys = jax.vmap(lambda s: smp.position_key(s, smp.DRAFT, size + d))(seeds)
+            last = jax.vmap(smp.sample)(lq, keys)
+            drafts.append(last)
+            logqs.append(lq)
+        drafts, logq = jnp.stack(drafts, 1), jnp.stack(logqs, 1)
+        tokens, parents, _, n = draft_sampled_tree(drafts, logq, sizes, seeds, jnp.full((rows,), nodes), nodes)
+        tokens = jnp.concatenate([jnp.full((rows, 1), root, jnp.int32), tokens], axis=1)
+        depth = trees.depths(parents)
+        lq_nodes = jnp.pad(logq, ((0, 0), (0, 1), (0, 0)))  # node i's children's q: the chain's at i
+        path, accepted, out = accept_tree_rows(p_logits[tokens], tokens, parents, n, lq_nodes, size + depth,
+                                               seeds, rs)
+        return tokens, parents, out, accepted
+    tokens, parents, out, accepted = map(np.asarray, run(p_logits, q_logits, seeds, sizes))
+    assert (parents[0, 1:] == [0, 1, 2, 3, 0, 1]).all()
+    p = np.exp(np.asarray(p_logits, np.float64))
+    p /= p.sum(axis=1, keepdims=True)
+    law = p[root][:, None] * p
+    second = np.where(accepted >= 1, out[:, 1], [rng.choice(v, p=p[a]) for a in out[:, 0]])
+    counts = np.zeros((v, v))
+    np.add.at(counts, (out[:, 0], second), 1)
+    assert 0 < (accepted >= 1).mean() < 1
+    assert stats.chisquare(counts.sum(1), law.sum(1) * rows).pvalue > 1e-4
+    assert stats.chisquare(counts.ravel(), law.ravel() * rows).pvalue > 1e-4
