@@ -128,15 +128,15 @@ def test_matmul_matches_numpy(rng, m, d, n):
 
 
 def test_matmul_rows_get_the_same_bits_alone_or_together(rng):
-    x = rng.standard_normal((2, 8, 256)).astype(np.float32)  # [..., D]: leading axes flattened
+    x = rng.standard_normal((3, 8, 256)).astype(np.float32)  # [..., D]: leading axes flattened
     w = _packed(rng.standard_normal((300, 256)).astype(np.float32))
     together = np.asarray(cpu_kernels.matmul(x, w))
-    assert together.shape == (2, 8, 300)
-    for i in (0, 1):
+    assert together.shape == (3, 8, 300)
+    for i in (0, 1, 2):
         for t in (0, 5, 7):
             np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul(x[i, t], w)), together[i, t])
-    sixteen = np.asarray(cpu_kernels.matmul(x.reshape(16, 256), w))  # two passes over each panel
-    np.testing.assert_array_equal(sixteen, together.reshape(16, 300))
+    many = np.asarray(cpu_kernels.matmul(x.reshape(24, 256), w))  # more rows than a pass holds (16 at most)
+    np.testing.assert_array_equal(many, together.reshape(24, 300))
 
 
 def test_matmul_derivatives_are_the_dots_in_both_modes(rng):

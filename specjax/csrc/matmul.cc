@@ -9,7 +9,9 @@
 // A panel is read as one 64-byte line per input column: every row's x[m, k] is broadcast
 // against it, so a pass over the panel keeps 16 outputs per row in registers and needs no
 // horizontal sums (the earlier kernel, one dot product per output in eight lanes, spent
-// nine loads per eight FMAs and ran a verify of 8 rows at ~1.5x one row).
+// nine loads per eight FMAs and ran a verify of 8 rows at ~1.5x one row). With AVX-512 a
+// line is one 512-bit vector (one widening and one FMA per row and column), otherwise a
+// pair of eight-float vectors.
 //
 // Each output is one FMA chain over k = 0 .. D-1 in order, so row m's result is bitwise the
 // same whatever M is and however rows are grouped into passes: the logits of a token in a
@@ -33,25 +35,63 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using specjax::Fma;
-using specjax::Load;
 using specjax::ParallelFor;
-using specjax::Splat;
-using specjax::Store;
-using specjax::V8;
-using specjax::Widen;
 
-constexpr int64_t kPanel = 16;  // outputs per panel (two vectors of eight)
+constexpr int64_t kPanel = 16;  // outputs per panel: one line
 constexpr int64_t kBlock = 32;  // columns per int8 scale (llama.cpp's q8_0 block)
 // Bytes prefetched ahead of the column being read (4 kB: 2 and 8 kB were slower for float32
 // panels, none 1.5x at M = 8).
 constexpr int64_t kAheadBytes = 4096;
-// Rows per pass over a panel: 2 accumulators a row, plus the panel's two vectors and a
-// broadcast, must fit the vector registers (32 with AVX-512VL, 16 with AVX).
+
+#if defined(__AVX512F__)
+// A line of 16 outputs in one 512-bit register. Rows per pass: one accumulator a row, plus
+// the line and a broadcast, within AVX-512's 32 vector registers.
+typedef float Line __attribute__((vector_size(64)));
+constexpr int kRows = 16;
+
+inline Line LoadLine(const float* p) { return (Line)_mm512_loadu_ps(p); }
+inline Line WidenLine(const float* p) { return LoadLine(p); }
+inline Line WidenLine(const specjax::BF16* p) {  // float32's upper half: zero extension and a shift
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return (Line)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline Line WidenLine(const specjax::F16* p) {
+  return (Line)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline Line WidenLine(const int8_t* p) {
+  return (Line)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline Line Splat(float x) { return (Line)_mm512_set1_ps(x); }
+inline Line Fma(Line a, Line b, Line c) { return (Line)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+inline Line Scale(Line a, Line s) { return a * s; }
+inline void StoreLine(float* p, Line a) { _mm512_storeu_ps(p, (__m512)a); }
+inline float Lane(Line a, int64_t j) { return a[j]; }
+#else
+// A line of 16 outputs as two eight-float vectors. Rows per pass: 2 accumulators a row,
+// plus the line's two vectors and a broadcast, within the vector registers (32 with
+// AVX-512VL, 16 with AVX).
+struct Line {
+  specjax::V8 lo, hi;
+};
 #if defined(__AVX512VL__)
 constexpr int kRows = 8;
 #else
 constexpr int kRows = 4;
+#endif
+
+inline Line LoadLine(const float* p) { return {specjax::Load(p), specjax::Load(p + 8)}; }
+template <typename W>
+inline Line WidenLine(const W* p) {
+  return {specjax::Widen(p), specjax::Widen(p + 8)};
+}
+inline Line Splat(float x) {
+  const specjax::V8 v = specjax::Splat(x);
+  return {v, v};
+}
+inline Line Fma(Line a, Line b, Line c) { return {specjax::Fma(a.lo, b.lo, c.lo), specjax::Fma(a.hi, b.hi, c.hi)}; }
+inline Line Scale(Line a, Line s) { return {a.lo * s.lo, a.hi * s.hi}; }
+inline void StoreLine(float* p, Line a) { specjax::Store(p, a.lo), specjax::Store(p + 8, a.hi); }
+inline float Lane(Line a, int64_t j) { return j < 8 ? a.lo[j] : a.hi[j - 8]; }
 #endif
 
 // Panels [p0, p1) of weights of type W against M <= kRows rows of x; M is a template
@@ -66,31 +106,24 @@ void Panels(const float* x, const W* w, const float* scales, float* y, int64_t D
   const int64_t blocks = (D + kBlock - 1) / kBlock;
   for (int64_t p = p0; p < p1; ++p) {
     const W* panel = w + p * D * kPanel;
-    V8 lo[M], hi[M];
-    for (int m = 0; m < M; ++m) lo[m] = V8{}, hi[m] = V8{};
+    Line acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = Line{};
     for (int64_t k0 = 0; k0 < D; k0 += kBlock) {
-      V8 s_lo{}, s_hi{};
-      if constexpr (kQ8) {
-        const float* s = scales + (p * blocks + k0 / kBlock) * kPanel;
-        s_lo = Load(s), s_hi = Load(s + 8);
-      }
+      Line scale{};
+      if constexpr (kQ8) scale = LoadLine(scales + (p * blocks + k0 / kBlock) * kPanel);
       for (int64_t k = k0; k < std::min(D, k0 + kBlock); ++k) {
         __builtin_prefetch(panel + (k + kAheadBytes / int64_t{sizeof(W) * kPanel}) * kPanel, 0, 0);
-        V8 a = Widen(panel + k * kPanel), b = Widen(panel + k * kPanel + 8);
-        if constexpr (kQ8) a = a * s_lo, b = b * s_hi;
-        for (int m = 0; m < M; ++m) {
-          const V8 xm = Splat(x[m * D + k]);
-          lo[m] = Fma(xm, a, lo[m]);
-          hi[m] = Fma(xm, b, hi[m]);
-        }
+        Line line = WidenLine(panel + k * kPanel);
+        if constexpr (kQ8) line = Scale(line, scale);
+        for (int m = 0; m < M; ++m) acc[m] = Fma(Splat(x[m * D + k]), line, acc[m]);
       }
     }
     const int64_t n0 = p * kPanel;
     if (n0 + kPanel <= N) {
-      for (int m = 0; m < M; ++m) Store(y + m * N + n0, lo[m]), Store(y + m * N + n0 + 8, hi[m]);
+      for (int m = 0; m < M; ++m) StoreLine(y + m * N + n0, acc[m]);
     } else {  // the last panel, zero-padded past N
       for (int m = 0; m < M; ++m)
-        for (int64_t j = 0; n0 + j < N; ++j) y[m * N + n0 + j] = j < 8 ? lo[m][j] : hi[m][j - 8];
+        for (int64_t j = 0; n0 + j < N; ++j) y[m * N + n0 + j] = Lane(acc[m], j);
     }
   }
 }
