@@ -19,7 +19,7 @@
 //
 // The panels may hold float32, bfloat16 or float16 (a 16-bit checkpoint kept in 16 bits:
 // half the bytes a step streams). A 16-bit panel line is widened to float32 in registers
-// (vec8.h: Widen); widening is exact, so the FMA chain and every output are bitwise those
+// (WidenLine); widening is exact, so the FMA chain and every output are bitwise those
 // of the same weight stored as float32.
 
 #include <algorithm>
