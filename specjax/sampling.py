@@ -62,60 +62,20 @@ class Sampling:
         return self.temperature == 0.0
 
 
-def _top_p_min_p(x: jax.Array, s: Sampling) -> jax.Array:
-    """transformers' TopP then MinP warpers on logits x [..., N] (-inf for dropped entries)."""
-    if s.top_p < 1.0:
-        order = jnp.argsort(x, axis=-1)  # ascending, as transformers' TopPLogitsWarper
-        sorted_x = jnp.take_along_axis(x, order, axis=-1)
-        cum = jnp.cumsum(jax.nn.softmax(sorted_x, axis=-1), axis=-1)
-        drop_sorted = (cum <= 1.0 - s.top_p).at[..., -1].set(False)
-        drop = jnp.put_along_axis(drop_sorted, order, drop_sorted, axis=-1, inplace=False)  # unsort: a scatter, not a sort
-        x = jnp.where(drop, -jnp.inf, x)
-    if s.min_p > 0.0:
-        probs = jax.nn.softmax(x, axis=-1)
-        x = jnp.where(probs < s.min_p * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
-    return x
-
-
-def _tempered(logits: jax.Array, s: Sampling) -> jax.Array:
-    """Logits divided by the temperature, shifted so each row's largest is 0 first: the
-    same distribution, but a tiny temperature sends the others to -inf instead of making
-    every logit +-inf (NaN after the softmax)."""
+def _tempered(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """Logits [N, V] divided by each row's temperature [N], shifted so each row's largest
+    is 0 first: the same distribution, but a tiny temperature sends the others to -inf
+    instead of making every logit +-inf (NaN after the softmax)."""
     x = logits.astype(jnp.float32)
     top = jnp.max(x, axis=-1, keepdims=True)
-    return (x - jnp.where(jnp.isfinite(top), top, 0.0)) / s.temperature
+    return (x - jnp.where(jnp.isfinite(top), top, 0.0)) / temperature[:, None]
 
 
 def transform(logits: jax.Array, s: Sampling) -> jax.Array:
-    """Log-probabilities [..., V] (float32) of the sampling distribution; -inf outside it.
-
-    With top-k, top-p and min-p run on the k candidates only (a sort of k, not of V: the
-    full-vocabulary sort costs ~2 ms per row on CPU); if any row has ties at the k-th value,
-    transformers keeps them all, so that case takes the full-vocabulary path.
-    """
-    if s.greedy:
-        top = jnp.argmax(logits, axis=-1)
-        return jnp.where(jnp.arange(logits.shape[-1]) == top[..., None], 0.0, -jnp.inf)
-    x = _tempered(logits, s)
-    if not 0 < s.top_k < x.shape[-1]:
-        return jax.nn.log_softmax(_top_p_min_p(x, s), axis=-1)
-    # [..., k], descending. The barrier keeps XLA from folding the slices below into the
-    # top-k's own, which turns its TopK call back into a full sort of every row (XLA:CPU:
-    # 16 rows of 8192 went from ~40 ms to ~1 ms). It holds the values alone: a barrier
-    # over the (values, indices) pair crashes XLA's SPMD partitioner (sharded targets).
-    vals, idx = jax.lax.top_k(x, s.top_k)
-    vals = jax.lax.optimization_barrier(vals)
-    kth = vals[..., -1:]
-
-    def candidates_only(_):
-        kept = jax.nn.log_softmax(_top_p_min_p(vals, s), axis=-1)
-        return jnp.put_along_axis(jnp.full(x.shape, -jnp.inf), idx, kept, axis=-1, inplace=False)
-
-    def full_vocabulary(_):
-        return jax.nn.log_softmax(_top_p_min_p(jnp.where(x < kth, -jnp.inf, x), s), axis=-1)
-
-    ties = jnp.any(jnp.sum(x >= kth, axis=-1) > s.top_k)
-    return jax.lax.cond(ties, full_vocabulary, candidates_only, None)
+    """Log-probabilities [..., V] (float32) of the sampling distribution s; -inf outside it:
+    `transform_rows` with s on every row, the transform the engine applies."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _transform_rows(flat, RowSampling.every(s, flat.shape[0])).reshape(logits.shape)
 
 
 def position_key(seed: jax.Array, stream: int, position: jax.Array) -> jax.Array:
@@ -134,8 +94,8 @@ def target_tokens(logits: jax.Array, positions: jax.Array, seed: jax.Array, s: S
     The same draw as the batched engine's (`target_tokens_rows` with this setting on every
     row), so one prompt and a batch of prompts sample the same tokens."""
     n = logits.shape[0]
-    return target_tokens_rows(logits, positions, jnp.full((n,), seed, jnp.uint32), RowSampling.every(s, n),
-                              not s.greedy)
+    return _target_tokens_rows(logits, positions, jnp.full((n,), seed, jnp.uint32), RowSampling.every(s, n),
+                               not s.greedy)
 
 
 def accept_probability(logp: jax.Array, logq: jax.Array, d: jax.Array) -> jax.Array:
@@ -203,7 +163,8 @@ class RowSampling:
 
 
 def _top_p_min_p_rows(x: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
-    """`_top_p_min_p` with per-row values [N] (both are no-ops at their defaults)."""
+    """transformers' TopP then MinP warpers on logits x [N, ...] with per-row values [N]
+    (-inf for dropped entries; both are no-ops at their defaults)."""
     order = jnp.argsort(x, axis=-1)
     sorted_x = jnp.take_along_axis(x, order, axis=-1)
     cum = jnp.cumsum(jax.nn.softmax(sorted_x, axis=-1), axis=-1)
@@ -234,7 +195,7 @@ def support_rows(logits: jax.Array, rs: RowSampling) -> jax.Array:
     """
     n, v = logits.shape
     temp = jnp.where(rs.temperature > 0, rs.temperature, 1.0)
-    x = _tempered(logits, Sampling(1.0)) / temp[:, None]
+    x = _tempered(logits, temp)
     top_k = jnp.where((rs.top_k > 0) & (rs.top_k < v), rs.top_k, 0)
     plain = _min_p_rows(x, rs.min_p)
 
@@ -264,6 +225,9 @@ def transform_rows(logits: jax.Array, rs: RowSampling) -> jax.Array:
     return jax.nn.log_softmax(support_rows(logits, rs), axis=-1)
 
 
+_transform_rows = jax.jit(transform_rows)  # settings are traced: one compile per shape, whatever s is
+
+
 def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Array:
     """One token per row of logits [N, V] under per-row settings; greedy rows take the argmax.
 
@@ -276,7 +240,7 @@ def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Arra
     n, v = logits.shape
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temp = jnp.where(rs.temperature > 0, rs.temperature, 1.0)
-    x = _tempered(logits, Sampling(1.0)) / temp[:, None]
+    x = _tempered(logits, temp)
     top_k = jnp.where((rs.top_k > 0) & (rs.top_k < v), rs.top_k, 0)
     sampled = rs.temperature > 0
 
@@ -318,6 +282,9 @@ def target_tokens_rows(logits: jax.Array, positions: jax.Array, seeds: jax.Array
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     keys = jax.vmap(lambda s, p: position_key(s, TARGET, p))(seeds, positions)
     return sample_rows(logits, keys, rs)
+
+
+_target_tokens_rows = jax.jit(target_tokens_rows, static_argnames="sampled")  # one compile per shape
 
 
 def accept_rows(logits: jax.Array, drafts: jax.Array, logq: jax.Array, n: jax.Array, positions: jax.Array,
