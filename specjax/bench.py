@@ -29,6 +29,7 @@ from .proposers import DraftProposer, NgramProposer
 from .sampling import Sampling
 from .workloads import WORKLOADS, workload
 
+TREE_PROPOSERS = ("lookup", "draft", "dflash")
 SAMPLINGS = {"greedy": Sampling(), "sampled": Sampling(temperature=0.6, top_k=20, top_p=0.95)}
 
 
@@ -46,6 +47,9 @@ class BenchConfig:
     ngram_ks: tuple[int, ...] = (2, 4, 7, 15)
     draft_ks: tuple[int, ...] = (1, 2, 3, 4, 7)
     dflash_ks: tuple[int, ...] = (4, 7, 15)
+    # proposers that also get a tree row (a node budget as wide as their chain's drafts) and
+    # an "auto" row (the tree or the chain each round, whichever has held deeper)
+    trees: tuple[str, ...] = ("lookup", "draft", "dflash")
     profile_ts: tuple[int, ...] = tuple(range(1, 17))
     hf: bool = True
     profile: bool = True  # time the step profiles after the cells (this model's; the S config's with s_profile)
@@ -81,17 +85,30 @@ def _rss_mb() -> float:
 # ---------------------------------------------------------------- our methods
 
 def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
-    """(method, k, proposer) rows; plain first."""
+    """(method, k, proposer) rows; plain first. A proposer named in cfg.trees also gets
+    "<name>-tree" (trees of as many nodes as its chain has drafts) and "<name>-auto" rows
+    (the chooser's pick of tree or chain per round) at the k of its largest chain."""
+    for name in cfg.trees:
+        if name not in TREE_PROPOSERS:
+            raise ValueError(f"trees: {name!r} is not one of {', '.join(TREE_PROPOSERS)}")
+
+    def shapes(name: str, k: int, make: Callable[[int | str], Any]) -> list[tuple[str, int, Any]]:
+        if name not in cfg.trees:
+            return []
+        return [(f"{name}-tree", k, make(k)), (f"{name}-auto", k, make("auto"))]
+
     rows: list[tuple[str, int, Any]] = [("plain", 0, None)]
     rows += [("ngram", k, NgramProposer(k=k)) for k in cfg.ngram_ks]
-    rows.append(("lookup", 0, Adaptive(NgramProposer(k=max(cfg.ngram_ks)))))  # what `specjax generate` runs on CPU
-    # the same with lookup trees as wide as the chain's drafts (`specjax.lookup.tree`)
-    rows.append(("lookup-tree", 0, Adaptive(NgramProposer(k=max(cfg.ngram_ks), tree=max(cfg.ngram_ks)))))
-    pool = [NgramProposer(k=max(cfg.ngram_ks))]
+    top = max(cfg.ngram_ks)
+    rows.append(("lookup", 0, Adaptive(NgramProposer(k=top))))  # what `specjax generate` runs on CPU
+    rows += [(m, 0, p) for m, _, p in shapes("lookup", top, lambda t: Adaptive(NgramProposer(k=top, tree=t)))]
+    pool = [NgramProposer(k=top)]
     if cfg.draft is not None:
         draft = load(cfg.draft, target.dtype)
         rows += [("draft", k, DraftProposer(draft, k=k)) for k in cfg.draft_ks]
-        pool.append(DraftProposer(draft, k=max(cfg.draft_ks)))
+        top_d = max(cfg.draft_ks)
+        rows += shapes("draft", top_d, lambda t: DraftProposer(draft, k=top_d, tree=t))  # EAGLE-2's best tree
+        pool.append(DraftProposer(draft, k=top_d))
     if cfg.dflash is not None:
         from .dflash import load_dflash
         from .proposers import DFlashProposer
@@ -99,8 +116,8 @@ def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
         # k up to the drafter's block (its default, the largest k, is always measured)
         ks = sorted({k for k in cfg.dflash_ks if k < drafter.config.block_size} | {DFlashProposer(drafter).k})
         rows += [("dflash", k, DFlashProposer(drafter, k=k)) for k in ks]
-        # the block's best tree as wide as its chain (DDTree, `specjax.drafters.block_tree`)
-        rows.append(("dflash-tree", ks[-1], DFlashProposer(drafter, k=ks[-1], tree=ks[-1])))
+        # the block's best tree (DDTree, `specjax.drafters.block_tree`)
+        rows += shapes("dflash", ks[-1], lambda t: DFlashProposer(drafter, k=ks[-1], tree=t))
         pool.append(DFlashProposer(drafter, k=ks[-1]))
     rows.append(("adaptive", 0, Adaptive(*pool)))
     return rows
@@ -464,6 +481,8 @@ def _summarise(kind: str, sname: str, runs: dict[str, list[dict]]) -> dict[str, 
                 accept_hist=_sum_lists([s["accept_hist"] for s in stats]),
                 acceptance_by_position=_ratio_lists([s["accepted_at"] for s in stats], [s["reached"] for s in stats]),
                 verify_tokens_per_token=statistics.median(s["verify_tokens_per_token"] for s in stats),
+                tree_share=_share(sum(s["tree_steps"] for s in stats), sum(s["steps"] for s in stats)),
+                branched_share=_share(sum(s["branched"] for s in stats), sum(s["tree_steps"] for s in stats)),
                 time_split={part: statistics.median(s[part] / s["decode_s"] for s in stats if s["decode_s"])
                             for part in ("propose_s", "verify_s", "host_s")})
         row["same_tokens_as_plain"] = all(r["tokens"] == p["tokens"] for p, r in zip(plain, rs))
@@ -477,6 +496,10 @@ def _summarise(kind: str, sname: str, runs: dict[str, list[dict]]) -> dict[str, 
                 if r["method"].startswith("hf-") and r["tok_s"]["median"]}
     return {"workload": kind, "sampling": sname, "rows": rows, "best_k": best,
             "our_plain_over_hf": hf_ratio}
+
+
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
 
 
 def _sum_lists(lists: list[list[int]]) -> list[int]:
@@ -513,8 +536,8 @@ def _jsonable(x: Any) -> Any:
 
 def markdown(results: dict[str, Any]) -> str:
     """The results table: speedup at the best k of each method, per workload and sampling."""
-    adaptive = ("lookup", "lookup-tree", "adaptive")  # k chosen per step
-    methods = [m for m in ("ngram", "draft", "dflash", "dflash-tree") + adaptive
+    adaptive = ("lookup", "adaptive")  # k chosen per step
+    methods = [m for m in ("ngram", "draft", "dflash") + adaptive
                if any(m in c["best_k"] for c in results["cells"])]
     head = ["workload", "sampling", "plain tok/s"] + [m if m in adaptive else f"{m} (best k)" for m in methods]
     if "dflash" in methods:
@@ -553,8 +576,36 @@ def markdown(results: dict[str, Any]) -> str:
                          + ", ".join(f"T={t}: {r:.2f}" for t, r in p["ratio_to_T1"].items())
                          + f". Floor {p['floor_ms']:.2f} ms ({p['weight_bytes'] / 1e6:.0f} MB of weights at "
                          f"{p['bandwidth_GBps']:.1f} GB/s); {_against_floor(p)}.")
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n" + tree_markdown(results)
     return text + llamacpp.markdown(results) if "llamacpp" in results else text
+
+
+def tree_markdown(results: dict[str, Any]) -> str:
+    """Trees against chains: per cell and proposer, the chain at its largest k, trees of as
+    many nodes, and the chooser's pick of either per round ("" where no tree rows ran)."""
+    lines = []
+    for c in results["cells"]:
+        rows = c["rows"]
+        for name in TREE_PROPOSERS:
+            k = c["best_k"].get(f"{name}-tree")
+            if k is None:
+                continue
+            chain = f"{name}:{k}" if name != "lookup" else "lookup:0"
+            cols = [c["workload"], c["sampling"], name, str(k) if k else "chosen"]
+            for key in (chain, f"{name}-tree:{k}", f"{name}-auto:{k}"):
+                r = rows[key]
+                cols.append(f"{r['tokens_per_step']:.2f} / {r['speedup']['median']:.2f}x")
+            tree, auto = rows[f"{name}-tree:{k}"], rows[f"{name}-auto:{k}"]
+            cols += [f"{tree['branched_share']:.0%}", f"{tree['verify_tokens_per_token']:.2f}",
+                     f"{auto['tree_share']:.0%}"]
+            lines.append("| " + " | ".join(cols) + " |")
+    if not lines:
+        return ""
+    head = ["workload", "sampling", "proposer", "k", "chain tok/step / speedup", "tree", "auto",
+            "tree: non-first branch taken", "tree: verified per token", "auto: steps on a tree"]
+    return ("\nTrees against chains at the same verify width (a tree has at most as many nodes as the chain "
+            "has drafts; \"auto\" drafts whichever shape has held deeper, per row and round):\n\n"
+            + "| " + " | ".join(head) + " |\n" + "|" + "---|" * len(head) + "\n" + "\n".join(lines) + "\n")
 
 
 def plots(results: dict[str, Any], out: Path) -> list[Path]:

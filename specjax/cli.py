@@ -127,6 +127,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--prompt-tokens", type=_positive, help="approximate prompt length")
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    p.add_argument("--trees", nargs="*", choices=("lookup", "draft", "dflash"), default=None, metavar="PROPOSER",
+                   help="proposers timed with draft trees and with --tree auto next to their chains (default: "
+                        "lookup draft dflash; none: --trees alone)")
     p.add_argument("--no-profile", action="store_true",
                    help="skip the step profiles after the cells (this model's and the S config's; minutes on CPU)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="JSON, markdown and PNG output folder")
@@ -224,6 +227,8 @@ def _bench(args) -> int:
             kw[name] = getattr(args, name)
     if args.workloads:
         kw["workloads"] = tuple(args.workloads)
+    if args.trees is not None:
+        kw["trees"] = tuple(dict.fromkeys(args.trees))
     if args.llamacpp is not None:
         kw.update(llamacpp=args.llamacpp, gguf_cache=args.gguf_cache, llamacpp_threads=args.llamacpp_threads)
         if args.llamacpp_types:

@@ -1,5 +1,6 @@
 """`specjax bench --quick` on a random tiny model: schema, outputs, and stats that agree with generate."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -32,8 +33,8 @@ def results(tmp_path_factory):
     target = _random_model(root / "t", 32, 2, 1)
     draft = _random_model(root / "t-draft", 16, 1, 2)
     cfg = bench.BenchConfig.quick(model=target, draft=draft, new_tokens=12, prompt_tokens=160, ngram_ks=(3,),
-                                  draft_ks=(2,), workloads=("edit",), profile_ts=(1, 2), s_profile=False,
-                                  out=root / "out")
+                                  draft_ks=(2,), workloads=("edit",), samplings=("greedy",), profile_ts=(1, 2),
+                                  s_profile=False, trees=("lookup",), out=root / "out")
     return cfg, bench.run(cfg, log=lambda s: None)
 
 
@@ -42,7 +43,7 @@ def test_outputs_written(results):
     data = json.loads((cfg.out / "results.json").read_text())
     assert {"date", "machine", "config", "cells", "profile"} <= set(data)
     table = (cfg.out / "results.md").read_text()
-    assert "| edit | greedy |" in table and "| edit | sampled |" in table
+    assert "| edit | greedy |" in table and "| edit | greedy | lookup | chosen |" in table
     for png in ("speedup_vs_k.png", "acceptance_by_position.png"):
         assert (cfg.out / png).stat().st_size > 1000
 
@@ -51,20 +52,20 @@ def test_every_field_present(results):
     _, res = results
     for cell in res["cells"]:
         rows = cell["rows"]
-        assert {"plain:0", "lookup:0", "lookup-tree:0", "adaptive:0", "hf-plain:0", "hf-lookup:0",
+        assert {"plain:0", "lookup:0", "lookup-tree:0", "lookup-auto:0", "adaptive:0", "hf-plain:0", "hf-lookup:0",
                 "hf-assisted:0"} <= set(rows)
         assert {"ngram:3", "draft:2"} <= set(rows)
         for key, row in rows.items():
             assert {"median", "min", "max"} <= set(row["tok_s"]) and row["tok_s"]["median"] > 0
             assert {"median", "min", "max"} <= set(row["speedup"]) and "rss_mb" in row
-            if row["method"] in ("ngram", "draft", "lookup", "lookup-tree", "adaptive"):
+            if row["method"] in ("ngram", "draft", "lookup", "lookup-tree", "lookup-auto", "adaptive"):
                 assert {"tokens_per_step", "accept_hist", "acceptance_by_position", "verify_tokens_per_token",
-                        "time_split"} <= set(row)
+                        "time_split", "tree_share", "branched_share"} <= set(row)
                 assert set(row["time_split"]) == {"propose_s", "verify_s", "host_s"}
-            if not key.startswith("hf-") or cell["sampling"] == "greedy":
-                # ours are exact; transformers' greedy is the same model, so the same tokens too
-                assert row["same_tokens_as_plain"], key
-        assert set(cell["best_k"]) >= {"ngram", "draft", "lookup", "lookup-tree", "adaptive", "hf-plain"}
+            # ours are exact; transformers' greedy is the same model, so the same tokens too
+            assert row["same_tokens_as_plain"], key
+        assert set(cell["best_k"]) >= {"ngram", "draft", "lookup", "lookup-tree", "lookup-auto", "adaptive", "hf-plain"}
+        assert "draft-tree" not in cell["best_k"]  # trees were asked of lookup only
     assert "s_profile" not in res and "gpu_profile" not in res  # off here; the 4B shape only off CPU
     p = res["profile"]
     assert set(p["ratio_to_T1"]) == {1, 2} and p["ratio_to_T1"][1] == 1.0
@@ -84,6 +85,22 @@ def test_stats_agree_with_generate(results):
         assert row["tokens_per_step"] == out.stats.tokens_per_step
         assert row["accept_hist"] == out.stats.accept_hist
         assert row["verify_tokens_per_token"] == out.stats.verify_tokens_per_token
+
+
+def test_tree_shares_pool_the_runs():
+    """A row's tree_share is its runs' tree steps over their steps, branched_share their
+    branched steps over their tree steps (runs pooled, not averaged)."""
+    from specjax.results import Stats
+
+    def run(steps, tree_steps, branched):
+        s = Stats(new_tokens=steps + 1, steps=steps, tree_steps=tree_steps, branched=branched, verify_s=0.1)
+        return {"tokens": [1], "tok_s": 1.0, "decode_s": 0.1, "stats": s.summary()}
+
+    plain = {"tokens": [1], "tok_s": 1.0, "decode_s": 0.1, "stats": Stats(new_tokens=2, steps=1).summary()}
+    cell = bench._summarise("edit", "greedy", {"plain:0": [plain, plain],
+                                               "lookup-tree:0": [run(10, 4, 1), run(30, 6, 4)]})
+    row = cell["rows"]["lookup-tree:0"]
+    assert row["tree_share"] == 10 / 40 and row["branched_share"] == 5 / 10
 
 
 def test_random_model_profile_runs_on_any_backend():
@@ -106,8 +123,31 @@ def test_method_rows_fit_the_proposers(tmp_path):
     dflash.save_dflash(dflash.init(target.config, jax.random.key(0), num_layers=1, block_size=4), tmp_path / "d")
     cfg = bench.BenchConfig(model=target_dir, dflash=tmp_path / "d", dflash_ks=(2, 7, 15), ngram_ks=(3,))
     names = [(name, k) for name, k, _ in bench._methods(cfg, target)]
-    assert names == [("plain", 0), ("ngram", 3), ("lookup", 0), ("lookup-tree", 0), ("dflash", 2), ("dflash", 3),
-                     ("dflash-tree", 3), ("adaptive", 0)]
+    assert names == [("plain", 0), ("ngram", 3), ("lookup", 0), ("lookup-tree", 0), ("lookup-auto", 0), ("dflash", 2),
+                     ("dflash", 3), ("dflash-tree", 3), ("dflash-auto", 3), ("adaptive", 0)]
+    rows = {name: prop for name, _, prop in bench._methods(cfg, target)}
+    assert rows["dflash-tree"].tree == 3 and rows["dflash-auto"].tree == "auto" and rows["dflash"].tree == 0
+    assert [p.tree for p in rows["lookup-auto"].proposers] == ["auto"]
+    chains_only = bench.BenchConfig(model=target_dir, dflash=tmp_path / "d", dflash_ks=(2,), ngram_ks=(3,), trees=())
+    assert [name for name, _, _ in bench._methods(chains_only, target)] == ["plain", "ngram", "lookup", "dflash", "dflash",
+                                                                          "adaptive"]
+    with pytest.raises(ValueError, match="trees: 'ngram'"):
+        bench._methods(dataclasses.replace(cfg, trees=("ngram",)), target)
+
+
+def test_tree_table_reads_the_rows_it_names():
+    """The tree table's cells come from the chain, tree and auto rows of each proposer."""
+    def row(tps, speed, **kw):
+        return {"tokens_per_step": tps, "speedup": {"median": speed}, "verify_tokens_per_token": 1.5,
+                "tree_share": 0.0, "branched_share": 0.0, **kw}
+
+    cell = {"workload": "novel", "sampling": "greedy", "best_k": {"dflash-tree": 7, "lookup": 0, "dflash": 4},
+            "rows": {"dflash:7": row(1.5, 0.8), "dflash:4": row(1.4, 0.9),
+                     "dflash-tree:7": row(1.9, 1.1, branched_share=0.25, verify_tokens_per_token=2.5),
+                     "dflash-auto:7": row(1.8, 1.05, tree_share=0.5)}}
+    table = bench.tree_markdown({"cells": [cell]})
+    assert "| novel | greedy | dflash | 7 | 1.50 / 0.80x | 1.90 / 1.10x | 1.80 / 1.05x | 25% | 2.50 | 50% |" in table
+    assert bench.tree_markdown({"cells": [{**cell, "best_k": {"dflash": 4}}]}) == ""
 
 
 def test_novel_prompts_give_prompt_lookup_nothing_to_copy():
@@ -138,16 +178,16 @@ def test_concurrency_run_writes_every_cell_and_stays_exact(tmp_path):
     target = _random_model(tmp_path / "t", 32, 2, 3)
     script = (f"from pathlib import Path; from specjax import bench_batch; "
               f"bench_batch.run(bench_batch.ConcurrencyConfig(model=Path({str(target)!r}), levels=(1, 3), "
-              f"workloads=('edit',), fixed_ks=(4,), prompt_tokens=96, new_tokens=10, reps=1, precompile=False, "
+              f"workloads=('edit',), samplings=('greedy',), fixed_ks=(4,), prompt_tokens=96, new_tokens=10, reps=1, precompile=False, "
               f"hf=False, out=Path({str(tmp_path / 'out')!r})), log=lambda s: None)")
     subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).resolve().parents[1], timeout=500)
     res = json.loads((tmp_path / "out" / "concurrency.json").read_text())
     cells = {(c["sampling"], c["concurrency"]): c for c in res["cells"]}
-    assert set(cells) == {(s, c) for s in ("greedy", "sampled") for c in (1, 3)}
+    assert set(cells) == {("greedy", 1), ("greedy", 3)}
     for cell in cells.values():
         assert set(cell["methods"]) == {"plain", "auto", "k=4"}
         assert all(m.get("exact", True) for m in cell["methods"].values())
         assert cell["methods"]["plain"]["aggregate_tok_s"] > 0 and cell["best_fixed"] == "k=4"
     written = json.loads((tmp_path / "out" / "concurrency.json").read_text())
-    assert len(written["cells"]) == 4
-    assert (tmp_path / "out" / "concurrency.md").read_text().count("\n| edit |") == 4
+    assert len(written["cells"]) == 2
+    assert (tmp_path / "out" / "concurrency.md").read_text().count("\n| edit |") == 2
