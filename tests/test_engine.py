@@ -156,18 +156,18 @@ def test_pool_exhaustion_queues_and_cancel_returns_pages(cyclic_target, rng):
 
 def test_new_sampling_values_compile_nothing(cyclic_target, rng):
     model = cyclic_target
-    prompts = _prompts(rng, model.config.vocab_size)[:3]
+    prompts = _prompts(rng, model.config.vocab_size)  # six rows, as the test above: its compiled call
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
 
     def run(settings):
-        return specjax.generate(model, prompts, max_new_tokens=20, sampling=settings, seed=[1, 2, 3], stop_ids=(),
-                                speculative=specjax.Adaptive(specjax.NgramProposer(k=7)))
+        return specjax.generate(model, prompts, max_new_tokens=20, sampling=settings, seed=list(range(1, 7)),
+                                stop_ids=(), speculative=specjax.Adaptive(specjax.NgramProposer(k=7)))
 
-    run([Sampling(0.7, top_p=0.9), Sampling(1.0, top_k=10), Sampling()])
+    run([Sampling(0.7, top_p=0.9), Sampling(1.0, top_k=10), Sampling()] * 2)
     before = len(compiles)
-    run([Sampling(0.3, top_k=40, min_p=0.1), Sampling(1.4, top_p=0.5), Sampling(0.9)])
+    run([Sampling(0.3, top_k=40, min_p=0.1), Sampling(1.4, top_p=0.5), Sampling(0.9)] * 2)
     assert len(compiles) == before
 
 

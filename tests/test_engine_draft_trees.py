@@ -248,13 +248,13 @@ def test_sampled_draft_trees_equal_their_run_alone_branch_and_keep_the_draft_cac
     def submit(engine, i, stops):
         return engine.submit(prompts[i], max_new_tokens=news[i], sampling=settings[i], seed=seeds[i],
                              stop_ids=stops, tree=budgets[i], lookup=False)
-    batch = Engine(target, spec, draft=draft, sample_drafts=True, max_batch=4, max_len=256, rounds=4)
-    free = [submit(batch, i, ()) for i in range(4)]
-    batch.run()
-    stop = next((x for i, x in enumerate(free[1].tokens) if i >= 8 and x not in free[1].tokens[:i]), None)
-    stops = [(), () if stop is None else (stop,), (), ()]
     solo = Engine(target, spec, draft=draft, sample_drafts=True, max_batch=1, max_len=256, rounds=4)
-    want = [submit(solo, i, stops[i]).result().tokens for i in range(4)]
+    free = submit(solo, 1, ()).result().tokens
+    stop = next((x for i, x in enumerate(free) if i >= 8 and x not in free[:i]), None)
+    stops = [(), () if stop is None else (stop,), (), ()]
+    alone = [submit(solo, i, stops[i]) for i in range(4)]
+    want = [r.result().tokens for r in alone]
+    batch = Engine(target, spec, draft=draft, sample_drafts=True, max_batch=4, max_len=256, rounds=4)
     reqs = [submit(batch, i, stops[i]) for i in range(4)]
     keys = _fresh_keys(draft)
     while batch.has_work():
@@ -264,8 +264,8 @@ def test_sampled_draft_trees_equal_their_run_alone_branch_and_keep_the_draft_cac
     assert [r.tokens for r in reqs] == want
     assert stop is None or want[1][-1] == stop
     assert all(r.stats.drafted > 0 for r in reqs)
-    assert sum(r.stats.branched for r in free[:3] + reqs[:3]) > 0
-    assert free[3].stats.branched == reqs[3].stats.branched == 0
+    assert sum(r.stats.branched for r in alone[:3] + reqs[:3]) > 0
+    assert alone[3].stats.branched == reqs[3].stats.branched == 0
 
 
 def test_sampled_draft_tree_rule_follows_the_target_law():

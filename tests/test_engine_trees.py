@@ -61,7 +61,7 @@ def test_trees_branch_and_chains_stay_chains(cyclic_target):
     rng = np.random.default_rng(1)
     prompts = [_branchy_prompt(rng, v) for _ in range(6)]
     want = _alone(model, prompts, [48] * 6, [Sampling()] * 6, [0] * 6, [()] * 6)
-    engine = Engine(model, Speculation(k=15, tree=15), max_batch=6, max_len=256)
+    engine = Engine(model, Speculation(k=15, tree=15), max_batch=4, max_len=256)  # (two requests wait, then join)
     reqs = [engine.submit(p, max_new_tokens=48, stop_ids=(), tree=15 if i < 3 else 0) for i, p in enumerate(prompts)]
     engine.run()
     assert [r.tokens for r in reqs] == want
@@ -77,7 +77,7 @@ def test_auto_rows_draft_the_shape_that_has_held_more(cyclic_target):
     rng = np.random.default_rng(2)
     prompts = [_branchy_prompt(rng, model.config.vocab_size) for _ in range(5)]
     want = _alone(model, prompts, [12] * 5, [Sampling()] * 5, [0] * 5, [()] * 5)
-    engine = Engine(model, Speculation(k=15, tree="auto"), max_batch=8, max_len=256)
+    engine = Engine(model, Speculation(k=15, tree="auto"), max_batch=4, max_len=256)  # (the fresh row joins later)
     reqs = [engine.submit(p, max_new_tokens=12, stop_ids=(), tree=t)
             for p, t in zip(prompts, ["auto", "auto", 15, 0, "auto"])]
     deep, shallow = np.array([2500.0, 500.0]), np.array([500.0, 500.0])  # (summed depth, rounds): 5 and 1

@@ -47,6 +47,9 @@ def test_matrices_stay_in_16_bits_and_memory_halves(pair):
     assert checkpoint.weight_bytes(m16.params) - vectors == (checkpoint.weight_bytes(m32.params) - vectors) // 2
 
 
+_forward = jax.jit(qwen3.forward, static_argnames="cfg")  # as the engine's steps run it: compiled
+
+
 def _steps(model, ids, rng):
     """Logits of a padded prefill chunk, a decode step and a verify step at every bucket."""
     v = model.config.vocab_size
@@ -55,8 +58,8 @@ def _steps(model, ids, rng):
     padded = np.concatenate([ids, rng.integers(0, v, 3)])  # 3 padding tokens, never committed
     for tokens, commit in [(padded, len(ids))] + [(rng.integers(0, v, t), t) for t in steps.BUCKETS]:
         start = int(cache.lengths[0])
-        logits, cache, _ = qwen3.forward(model.params, model.config, jnp.asarray(tokens)[None],
-                                         (start + np.arange(len(tokens)))[None], cache)
+        logits, cache, _ = _forward(model.params, model.config, jnp.asarray(tokens)[None],
+                                    (start + np.arange(len(tokens)))[None], cache)
         cache = cache.replace(lengths=cache.lengths + commit)
         out.append(np.asarray(logits))
     return out
