@@ -29,7 +29,7 @@ from .proposers import DraftProposer, NgramProposer
 from .sampling import Sampling
 from .workloads import WORKLOADS, workload
 
-TREE_PROPOSERS = ("lookup", "draft", "dflash")
+TREE_PROPOSERS = ("lookup", "draft", "dflash")  # the proposers that draft trees
 SAMPLINGS = {"greedy": Sampling(), "sampled": Sampling(temperature=0.6, top_k=20, top_p=0.95)}
 
 
@@ -49,7 +49,7 @@ class BenchConfig:
     dflash_ks: tuple[int, ...] = (4, 7, 15)
     # proposers that also get a tree row (a node budget as wide as their chain's drafts) and
     # an "auto" row (the tree or the chain each round, whichever has held deeper)
-    trees: tuple[str, ...] = ("lookup", "draft", "dflash")
+    trees: tuple[str, ...] = TREE_PROPOSERS
     profile_ts: tuple[int, ...] = tuple(range(1, 17))
     hf: bool = True
     profile: bool = True  # time the step profiles after the cells (this model's; the S config's with s_profile)

@@ -113,6 +113,7 @@ def _add_generate(sub) -> None:
 
 
 def _add_bench(sub) -> None:
+    from .bench import TREE_PROPOSERS
     from .llamacpp import GGUF_TYPES
     from .workloads import WORKLOADS
 
@@ -127,9 +128,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--prompt-tokens", type=_positive, help="approximate prompt length")
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
-    p.add_argument("--trees", nargs="*", choices=("lookup", "draft", "dflash"), default=None, metavar="PROPOSER",
+    p.add_argument("--trees", nargs="*", choices=TREE_PROPOSERS, default=None, metavar="PROPOSER",
                    help="proposers timed with draft trees and with --tree auto next to their chains (default: "
-                        "lookup draft dflash; none: --trees alone)")
+                        f"{' '.join(TREE_PROPOSERS)}; none: --trees alone)")
     p.add_argument("--no-profile", action="store_true",
                    help="skip the step profiles after the cells (this model's and the S config's; minutes on CPU)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="JSON, markdown and PNG output folder")
