@@ -178,7 +178,8 @@ def test_concurrency_run_writes_every_cell_and_stays_exact(tmp_path):
     target = _random_model(tmp_path / "t", 32, 2, 3)
     script = (f"from pathlib import Path; from specjax import bench_batch; "
               f"bench_batch.run(bench_batch.ConcurrencyConfig(model=Path({str(target)!r}), levels=(1, 3), "
-              f"workloads=('edit',), samplings=('greedy',), fixed_ks=(4,), prompt_tokens=96, new_tokens=10, reps=1, precompile=False, "
+              f"workloads=('edit',), samplings=('greedy',), fixed_ks=(4,), prompt_tokens=96, new_tokens=10, "
+              f"reps=1, precompile=False, "
               f"hf=False, out=Path({str(tmp_path / 'out')!r})), log=lambda s: None)")
     subprocess.run([sys.executable, "-c", script], check=True, cwd=Path(__file__).resolve().parents[1], timeout=500)
     res = json.loads((tmp_path / "out" / "concurrency.json").read_text())
