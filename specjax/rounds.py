@@ -83,26 +83,18 @@ def new_state(rows: int, max_ngram: int) -> dict:
     return {"accepted": counts, "judged": counts.copy(), "shapes": np.zeros((rows, len(SOURCES), 2, 2), np.float32)}
 
 
-def _verify(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, drafts: jax.Array,
-            n: jax.Array, live: jax.Array, general: jax.Array, logq: jax.Array | None, seeds: jax.Array,
-            rs: RowSampling, width: int, sampled: bool, taps: tuple[int, ...] = (),
-            parents: jax.Array | None = None, sampled_trees: bool = False):
-    """Score [last, d1 .. d_{W-1}] for every row [R] and commit each row's accepted prefix
-    (rows where `general` is set by the rule for sampled drafts, with their logq). With
-    `parents` [R, >= W] the drafts are trees (`specjax.trees`; a chain row's parents are
-    i - 1): each row commits its accepted path (the caller moves its keys and values to
-    the row's next positions, `compact_paths`); with `sampled_trees` (static: some row's
-    sampled drafts may branch) `general` rows take `tree_accept.accept_tree_rows`, logq[:, i]
-    the q that node i's children were drawn from (for a chain: draft i + 1's, as without
-    parents), else `sampling.accept_rows` (the same on chains, less to compile).
+def _forward(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, drafts: jax.Array,
+             parents: jax.Array | None, width: int, taps: tuple[int, ...]):
+    """Run [last, d1 .. d_{W-1}] of every row [R] through the target at verify width
+    `width` (static; a verify-width branch of `rounds`). With `parents` [R, >= W] the
+    drafts are trees (`specjax.trees`; a chain row's parents are i - 1): node i sits at
+    committed length + depth(i) and attends to the prefix and its ancestors.
 
-    Returns (tokens [R, SPAN]: t_1 .. t_W, count [R] = accepted + 1 (0 for rows not live),
-    nan flag over live rows, cache, the target's taps [n, R, W, D] or None, path [R, SPAN]
-    (the accepted path's nodes, then the node ids; the identity for chains))."""
+    Returns (tokens [R, W], positions [R, W] (each node's absolute position), logits
+    [R, W, V], cache, the target's taps [n, R, W, D] or None)."""
     rows = last.shape[0]
     start = kv.lengths
-    drafts = jnp.pad(drafts, ((0, 0), (0, max(0, width - 1 - drafts.shape[1]))))[:, :width - 1]
-    tokens = jnp.concatenate([last[:, None], drafts], axis=1).astype(jnp.int32)
+    tokens = jnp.concatenate([last[:, None], _fit(drafts, width - 1)], axis=1).astype(jnp.int32)
     steps_at = jnp.broadcast_to(jnp.arange(width), (rows, width))
     if parents is None:
         positions = start[:, None] + steps_at
@@ -112,37 +104,64 @@ def _verify(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, draf
         positions = start[:, None] + trees.depths(parents)
         h, kv, tapped = hidden_states(params, cfg, tokens, positions, kv, taps, sees=start[:, None] + steps_at,
                                       ancestors=trees.ancestor_bits(parents))
-    logits = unembed(params, cfg, h)  # [R, W, V]
-    flat = smp.target_tokens_rows(logits.reshape(rows * width, -1), (positions + 1).reshape(-1),
-                                  jnp.repeat(seeds, width), rs.repeat(width), sampled)
-    out = own = flat.reshape(rows, width)
+    return tokens, positions, unembed(params, cfg, h), kv, tapped
+
+
+def _commit(scratch: jax.Array | None, tokens: jax.Array, positions: jax.Array, own: jax.Array, width: jax.Array,
+            n: jax.Array, live: jax.Array, general: jax.Array, logq: jax.Array | None, seeds: jax.Array,
+            rs: RowSampling, parents: jax.Array | None, sampled_trees: bool):
+    """Each row's accepted prefix (trees: path) of a verify step of traced `width`, once
+    after the width switch at the engine's widest width Wm: tokens, positions [R, Wm] of
+    the step's nodes (`_forward`, padded past the width). Greedy engines pass the target's
+    own tokens `own` [R, Wm]; sampled ones pass `scratch` [R, Wm, V], the step's logits in
+    its first `width` columns, and the tokens are drawn here column by column (one
+    compiled copy of the sampler whatever the width; with sampled model drafts each
+    column's log-probabilities replace its logits). Rows where `general` is set take the
+    rule for sampled drafts with their logq [R, >= n, V] (`sampling.accept_rows`, or with
+    `sampled_trees` and `parents` `tree_accept.accept_tree_rows`, logq[:, i] the q node
+    i's children were drawn from). Nodes past a row's n are never read.
+
+    Returns (tokens [R, SPAN]: t_1 .. t_W, count [R] = accepted + 1 (0 for rows not live),
+    path [R, SPAN] (the accepted path's nodes, then the node ids; the identity for
+    chains), scratch)."""
+    rows, wm = tokens.shape
+    n = jnp.minimum(n, width - 1)
+    if scratch is not None:
+        def draw(j, carry):
+            own, scratch = carry
+            x = jax.lax.dynamic_index_in_dim(scratch, j, axis=1, keepdims=False)
+            own = own.at[:, j].set(smp.target_tokens_rows(x, positions[:, j] + 1, seeds, rs, True))
+            if logq is not None:
+                scratch = jax.lax.dynamic_update_index_in_dim(scratch, smp.transform_rows(x, rs), j, axis=1)
+            return own, scratch
+        own, scratch = jax.lax.fori_loop(0, width, draw, (jnp.zeros((rows, wm), jnp.int32), scratch))
+    ids = jnp.broadcast_to(jnp.arange(wm), (rows, wm))
     if parents is None:
-        ok = (tokens[:, 1:] == out[:, :-1]) & (jnp.arange(width - 1) < n[:, None])
+        ok = (tokens[:, 1:] == own[:, :-1]) & (ids[:, :-1] < n[:, None])
         accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
-        path = steps_at
+        out, path = own, ids
     else:
-        path, accepted = trees.walk(tokens, parents, jnp.minimum(n, width - 1), out)
-        out = jnp.take_along_axis(out, path, axis=1)
-    if logq is not None and width > 1:
-        lq = jnp.pad(logq, ((0, 0), (0, max(0, width - 1 - logq.shape[1])), (0, 0)))[:, :width - 1]
+        parents = parents[:, :wm]
+        path, accepted = trees.walk(tokens, parents, n, own)
+        out = jnp.take_along_axis(own, path, axis=1)
+    if scratch is not None and logq is not None and wm > 1:
+        lq = _fit(logq, wm - 1)
         if parents is None or not sampled_trees:
-            g_out, g_accepted = smp.accept_rows(logits, drafts, lq, n, positions + 1, seeds, rs, own)
-            g_path = steps_at
+            g_out, g_accepted = smp.accept_rows(None, tokens[:, 1:], lq, n, positions + 1, seeds, rs, own, scratch)
+            g_path = ids
         else:  # trees of sampled drafts (on a chain bitwise accept_rows): lq[:, i] is node i's children's q
-            g_path, g_accepted, g_out = accept_tree_rows(logits, tokens, parents, jnp.minimum(n, width - 1),
-                                                         jnp.pad(lq, ((0, 0), (0, 1), (0, 0))), positions + 1,
-                                                         seeds, rs, own)
+            g_path, g_accepted, g_out = accept_tree_rows(None, tokens, parents, n, jnp.pad(lq, ((0, 0), (0, 1), (0, 0))),
+                                                         positions + 1, seeds, rs, own, scratch)
         out = jnp.where(general[:, None], g_out, out)
         accepted = jnp.where(general, g_accepted, accepted)
         path = jnp.where(general[:, None], g_path, path)
     count = jnp.where(live, accepted + 1, 0)
-    bad = jnp.any(jnp.isnan(logits).any(axis=(1, 2)) & live)
-    path = jnp.concatenate([path, jnp.broadcast_to(jnp.arange(width, SPAN), (rows, SPAN - width))], axis=1)
-    return jnp.pad(out, ((0, 0), (0, SPAN - width))), count, bad, kv, tapped, path
+    path = jnp.concatenate([path, jnp.broadcast_to(jnp.arange(wm, SPAN), (rows, SPAN - wm))], axis=1)
+    return jnp.pad(out, ((0, 0), (0, SPAN - wm))), count, path, scratch
 
 
 def compact_paths(kv: KVCache, path: jax.Array, count: jax.Array) -> KVCache:
-    """The cache with each row's accepted tree path [R, SPAN] (`_verify`) moved to the
+    """The cache with each row's accepted tree path [R, SPAN] (`_commit`) moved to the
     row's next positions, so later steps see a plain prefix. Runs once after the step,
     whatever its width, and only when some row's path left its first nodes: entries past
     a row's count are rolled back, and the engine keeps SPAN positions of room past every
@@ -257,16 +276,21 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     d_nodes = t_nodes if dcfg is not None else 0
     sampled_trees = bool(f_nodes or d_nodes) and sample_drafts  # sampled model drafts may branch
 
+    wm = widths[-1]  # every branch returns its step padded to the widest width
+
     def branch(width):
-        def go(kv, last, candidates, logqs, src, n, live, parents):
-            drafts = _by_source(src, candidates)
-            logq = _by_source(src - 1, logqs) if sample_drafts and models else None
-            out, count, bad, kv, tapped, path = _verify(params, cfg, kv, last, drafts, n, live, (src > 0) & drawn,
-                                                        logq, seeds, rs, width, sampled, taps, parents,
-                                                        sampled_trees)
+        def go(carry, last, drafts, parents):
+            kv, scratch = carry
+            tokens, positions, logits, kv, tapped = _forward(params, cfg, kv, last, drafts, parents, width, taps)
+            nan = jnp.isnan(logits).any(axis=(1, 2))
+            if sampled:  # the tokens are drawn after the switch, from the logits left in the scratch
+                scratch = jax.lax.dynamic_update_slice(scratch, logits.astype(jnp.float32), (0, 0, 0))
+                own = jnp.zeros((rows, wm), jnp.int32)
+            else:
+                own = _fit(jnp.argmax(logits, axis=-1).astype(jnp.int32), wm)
             if tapped is not None:  # padded to SPAN, so every width returns one shape
                 tapped = jnp.pad(tapped, ((0, 0), (0, 0), (0, SPAN - width), (0, 0)))
-            return (out, count, bad, tapped, path), kv
+            return (_fit(tokens, wm), _fit(positions, wm), own, nan, tapped), (kv, scratch)
         return go
 
     def feed_at(width):
@@ -292,7 +316,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), dkv
 
     def body(c):
-        kv, dkv, fkv, history, size, made, i, state, bad, stopped, log = c
+        kv, dkv, fkv, history, size, made, i, state, bad, stopped, log, scratch = c
         live = (made < budget) & ~stopped
         limit = jnp.where(live, jnp.minimum(row_k, jnp.maximum(budget - made - 1, 0)), 0)
         if k:
@@ -460,8 +484,13 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                                           + jnp.zeros((rows, 1), jnp.int32)], axis=1)[:, :k]
                 node_q = jnp.take_along_axis(logqs[-1], jnp.minimum(rows_q, k - 1)[:, :, None], axis=1)
                 logqs[-1] = jnp.where(treed[:, None, None], node_q, logqs[-1])
-        (out, count, nan, tapped, path), kv = steps.switch(pick, [branch(w) for w in widths], kv, last, candidates,
-                                                           logqs, src, n, live, parents)
+        (tokens, positions, own, nan, tapped), (kv, scratch) = steps.switch(
+            pick, [branch(w) for w in widths], (kv, scratch), last, _by_source(src, candidates), parents)
+        out, count, path, scratch = _commit(scratch if sampled else None, tokens, positions, own,
+                                            jnp.asarray(widths)[pick], n, live, (src > 0) & drawn,
+                                            _by_source(src - 1, logqs) if sample_drafts and models else None,
+                                            seeds, rs, parents, sampled_trees)
+        nan = jnp.any(nan & live)
         if t_nodes:  # the accepted paths become plain prefixes (taps past the width are stale anyway)
             kv = compact_paths(kv, path, count)
             if tapped is not None:
@@ -518,7 +547,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                "source": log["source"].at[i].set(jnp.where(n > 0, codes[src], -1)),
                "branched": log["branched"].at[i].set(branched),
                "treed": log["treed"].at[i].set(verified & (count > 0))}
-        return kv, dkv, fkv, history, size + count, made + count, i + 1, state, bad | nan, stopped, log
+        return kv, dkv, fkv, history, size + count, made + count, i + 1, state, bad | nan, stopped, log, scratch
 
     def more(c):
         made, i, stopped = c[5], c[6], c[9]
@@ -530,8 +559,9 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
            "width": jnp.full((n_rounds,), -1, jnp.int32), "source": jnp.full((n_rounds, rows), -1, jnp.int32),
            "branched": jnp.zeros((n_rounds, rows), bool), "treed": jnp.zeros((n_rounds, rows), bool)}
     init = (kv, dkv, fkv, history, size, jnp.zeros(rows, jnp.int32), jnp.int32(0), state, jnp.bool_(False),
-            jnp.zeros(rows, bool), log)
-    kv, dkv, fkv, _, _, _, _, state, bad, _, log = jax.lax.while_loop(more, body, init)
+            jnp.zeros(rows, bool), log,
+            jnp.zeros((rows, wm, cfg.vocab_size), jnp.float32) if sampled else None)  # (`_commit`)
+    kv, dkv, fkv, _, _, _, _, state, bad, _, log, _ = jax.lax.while_loop(more, body, init)
     return log, bad, kv, dkv, fkv, state
 
 

@@ -287,8 +287,9 @@ def target_tokens_rows(logits: jax.Array, positions: jax.Array, seeds: jax.Array
 _target_tokens_rows = jax.jit(target_tokens_rows, static_argnames="sampled")  # one compile per shape
 
 
-def accept_rows(logits: jax.Array, drafts: jax.Array, logq: jax.Array, n: jax.Array, positions: jax.Array,
-                seeds: jax.Array, rs: RowSampling, own: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def accept_rows(logits: jax.Array | None, drafts: jax.Array, logq: jax.Array, n: jax.Array, positions: jax.Array,
+                seeds: jax.Array, rs: RowSampling, own: jax.Array | None = None,
+                logp: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """`accept_sampled` for R rows with their own settings: logits [R, W, V], sampled
     drafts [R, W-1] (first n [R] real) with their draft log-probs logq [R, W-1, V],
     positions [R, W] (absolute position each target row decides), seeds [R].
@@ -296,10 +297,12 @@ def accept_rows(logits: jax.Array, drafts: jax.Array, logq: jax.Array, n: jax.Ar
     Draft i is accepted with probability min(1, p_i(d)/q_i(d)); the first rejection is
     replaced by a draw from normalize(max(p_i - q_i, 0)); after n acceptances the bonus is
     the target's own position-keyed token. `own` [R, W]: those tokens (`target_tokens_rows`
-    at these positions) where the caller has them already. Returns (tokens [R, W], accepted [R])."""
-    r, w, v = logits.shape
+    at these positions) and `logp` [R, W, V] (`transform_rows` of the logits, which are then
+    not read) where the caller has them already. Returns (tokens [R, W], accepted [R])."""
+    r, w, v = logq.shape[0], drafts.shape[1] + 1, logq.shape[2]
     flat = rs.repeat(w)
-    logp = transform_rows(logits.reshape(r * w, v), flat).reshape(r, w, v)
+    if logp is None:
+        logp = transform_rows(logits.reshape(r * w, v), flat).reshape(r, w, v)
     if own is None:
         own = target_tokens_rows(logits.reshape(r * w, v), positions.reshape(-1), jnp.repeat(seeds, w), flat,
                                  True).reshape(r, w)

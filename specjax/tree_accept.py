@@ -122,9 +122,10 @@ def _walk_row(logp: jax.Array, logq: jax.Array, tokens: jax.Array, parents: jax.
     return path, accepted, out
 
 
-def accept_tree_rows(logits: jax.Array, tokens: jax.Array, parents: jax.Array, n: jax.Array, logq: jax.Array,
-                     positions: jax.Array, seeds: jax.Array, rs: RowSampling,
-                     own: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def accept_tree_rows(logits: jax.Array | None, tokens: jax.Array, parents: jax.Array, n: jax.Array,
+                     logq: jax.Array, positions: jax.Array, seeds: jax.Array, rs: RowSampling,
+                     own: jax.Array | None = None,
+                     logp: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The accepted path of each row's tree of SAMPLED drafts, by recursive rejection
     sampling without replacement (module docstring); the committed tokens follow the
     target's law exactly for any draft distributions.
@@ -143,15 +144,17 @@ def accept_tree_rows(logits: jax.Array, tokens: jax.Array, parents: jax.Array, n
     p(c)/q(c)); on rejection p <- normalize(max(p - q, 0)) and q <- q without c; after
     the last rejection a draw from p (stream RESIDUAL at the node's position); at a node
     without real children the target's own token (`target_tokens_rows`; `own` [R, W]: those
-    tokens where the caller has them already).
+    tokens, and `logp` [R, W, V]: `transform_rows` of the logits, which are then not read,
+    where the caller has them already).
 
     Returns (path [R, W]: the accepted nodes from the root, padded past the end with the
     node ids as `trees.walk` does; accepted [R]: drafted nodes on it; out [R, W]: the
     committed tokens out[:, :accepted + 1], the accepted children's then the final one,
     which also fills out[:, accepted + 1:] as `sampling.accept_rows` does)."""
-    r, w, v = logits.shape
+    r, w, v = logq.shape
     flat = rs.repeat(w)
-    logp = transform_rows(logits.reshape(r * w, v), flat).reshape(r, w, v)
+    if logp is None:
+        logp = transform_rows(logits.reshape(r * w, v), flat).reshape(r, w, v)
     if own is None:
         own = target_tokens_rows(logits.reshape(r * w, v), positions.reshape(-1), jnp.repeat(seeds, w), flat,
                                  True).reshape(r, w)
