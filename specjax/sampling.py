@@ -162,12 +162,19 @@ class RowSampling:
         return jax.tree.map(lambda x: jnp.repeat(x, n), self)
 
 
-def _top_p_min_p_rows(x: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+def _top_p_min_p_rows(x: jax.Array, top_p: jax.Array, min_p: jax.Array, tail: jax.Array | None = None,
+                      log_z: jax.Array | None = None) -> jax.Array:
     """transformers' TopP then MinP warpers on logits x [N, ...] with per-row values [N]
-    (-inf for dropped entries; both are no-ops at their defaults)."""
+    (-inf for dropped entries; both are no-ops at their defaults). With `tail` and `log_z`
+    [N] (rows where x holds the largest logits of a wider row only) the cumulative mass
+    TopP compares starts at `tail`, the mass of the row's other entries, and x's
+    probabilities are exp(x - log_z): the sums the wider row's own sort would form."""
     order = jnp.argsort(x, axis=-1)
     sorted_x = jnp.take_along_axis(x, order, axis=-1)
     cum = jnp.cumsum(jax.nn.softmax(sorted_x, axis=-1), axis=-1)
+    if tail is not None:
+        cum = jnp.where(jnp.isfinite(log_z)[:, None], tail[:, None] + jnp.cumsum(jnp.exp(sorted_x - log_z[:, None]),
+                                                                                 axis=-1), cum)
     drop_sorted = (cum <= 1.0 - top_p[:, None]).at[..., -1].set(False)
     drop = jnp.put_along_axis(drop_sorted, order, drop_sorted, axis=-1, inplace=False)  # unsort: a scatter, not a sort
     x = jnp.where(drop & (top_p[:, None] < 1.0), -jnp.inf, x)
@@ -180,6 +187,28 @@ def _min_p_rows(x: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(probs < min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
 
 
+def _candidates(x: jax.Array, rs: RowSampling, top_k: jax.Array):
+    """The rows whose support lies among their CANDIDATES largest tempered logits x [N, V],
+    and that support there: (candidate ids [N, C], their kept logits [N, C] (-inf where
+    dropped), fits [N]). A row fits with top-k of at most C (ties at the k-th value
+    included, no more than C of them), or with top-p and no top-k when the mass outside
+    its C largest is at most 1 - top_p (TopP drops all of it; no ties at the C-th value
+    straddle the cut): top-p and min-p then run on the C largest alone."""
+    v = x.shape[-1]
+    c = min(CANDIDATES, v)
+    vals, idx = jax.lax.top_k(x, c)
+    vals = jax.lax.optimization_barrier(vals)
+    kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, c - 1)[:, None], axis=-1)  # [N, 1]
+    by_k = (top_k > 0) & (top_k <= c) & (jnp.sum(x >= kth, axis=-1) <= c)
+    log_z = jax.nn.logsumexp(x, axis=-1)
+    outside = x < vals[:, -1:]
+    tail = jnp.sum(jnp.where(outside, jnp.exp(x - log_z[:, None]), 0.0), axis=-1)
+    by_p = (top_k == 0) & (rs.top_p < 1.0) & (jnp.sum(~outside, axis=-1) <= c) & (tail <= 1.0 - rs.top_p)
+    kept = _top_p_min_p_rows(jnp.where(by_k[:, None] & (vals < kth), -jnp.inf, vals), rs.top_p, rs.min_p,
+                             jnp.where(by_p, tail, 0.0), jnp.where(by_p, log_z, -jnp.inf))
+    return idx, kept, by_k | by_p
+
+
 def support_rows(logits: jax.Array, rs: RowSampling) -> jax.Array:
     """Tempered logits [N, V] of each row's sampling distribution, -inf outside its support;
     a greedy row is 0 at its argmax (lowest id on ties) and -inf elsewhere.
@@ -187,10 +216,10 @@ def support_rows(logits: jax.Array, rs: RowSampling) -> jax.Array:
     Supports follow transformers' chain (temperature, top-k keeping ties at the k-th value,
     top-p, min-p), by the cheapest path that gives the row's own answer:
     - no top-k and no top-p: min-p over the whole vocabulary (no sort);
-    - top-k of at most CANDIDATES (ties included): top-p and min-p on the CANDIDATES
-      largest logits;
-    - otherwise (top-p alone, a larger top-k, more ties than CANDIDATES): a sort of V, under
-      a conditional that runs only when some row needs it.
+    - top-k of at most CANDIDATES (ties included), or top-p alone where the CANDIDATES
+      largest logits hold its whole support (`_candidates`): top-p and min-p on those;
+    - otherwise (a larger top-k, a flatter top-p, more ties than CANDIDATES): a sort of V,
+      under a conditional that runs only when some row needs it.
     A row's path depends on its own logits and settings only, never on the other rows.
     """
     n, v = logits.shape
@@ -199,13 +228,8 @@ def support_rows(logits: jax.Array, rs: RowSampling) -> jax.Array:
     top_k = jnp.where((rs.top_k > 0) & (rs.top_k < v), rs.top_k, 0)
     plain = _min_p_rows(x, rs.min_p)
 
-    c = min(CANDIDATES, v)
-    vals, idx = jax.lax.top_k(x, c)
-    vals = jax.lax.optimization_barrier(vals)
-    kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, c - 1)[:, None], axis=-1)  # [N, 1]
-    kept = _top_p_min_p_rows(jnp.where(vals >= kth, vals, -jnp.inf), rs.top_p, rs.min_p)
+    idx, kept, fits = _candidates(x, rs, top_k)
     candidates = jnp.full_like(x, -jnp.inf).at[jnp.arange(n)[:, None], idx].set(kept)
-    fits = (top_k > 0) & (top_k <= c) & (jnp.sum(x >= kth, axis=-1) <= c)
     full = (rs.temperature > 0) & ((top_k > 0) | (rs.top_p < 1.0)) & ~fits
 
     def whole_vocabulary(_):
@@ -232,11 +256,11 @@ def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Arra
     """One token per row of logits [N, V] under per-row settings; greedy rows take the argmax.
 
     A sampled row draws by Gumbel-max over its support (as `support_rows` defines it), by
-    the cheapest of the same three paths: a row with top-k of at most CANDIDATES (and no
-    more ties than that) adds noise `gumbel(fold_in(key, token))` to its CANDIDATES largest
-    logits only; any other row adds `gumbel(key, [V])[token]` over the vocabulary. Which
-    path serves a row, and so its token, depends only on its own logits, key and settings,
-    never on the other rows."""
+    the cheapest of the same three paths: a row whose support lies among its CANDIDATES
+    largest logits (`_candidates`) adds noise `gumbel(fold_in(key, token))` to those only;
+    any other row adds `gumbel(key, [V])[token]` over the vocabulary. Which path serves a
+    row, and so its token, depends only on its own logits, key and settings, never on the
+    other rows."""
     n, v = logits.shape
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temp = jnp.where(rs.temperature > 0, rs.temperature, 1.0)
@@ -244,16 +268,11 @@ def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Arra
     top_k = jnp.where((rs.top_k > 0) & (rs.top_k < v), rs.top_k, 0)
     sampled = rs.temperature > 0
 
-    c = min(CANDIDATES, v)
-    vals, idx = jax.lax.top_k(x, c)
-    vals = jax.lax.optimization_barrier(vals)
-    kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, c - 1)[:, None], axis=-1)  # [N, 1]
-    kept = _top_p_min_p_rows(jnp.where(vals >= kth, vals, -jnp.inf), rs.top_p, rs.min_p)
+    idx, kept, fits = _candidates(x, rs, top_k)
     noise_c = jax.vmap(lambda key, ids: jax.vmap(
         lambda t: jax.random.gumbel(jax.random.fold_in(key, t), (), jnp.float32))(ids))(keys, idx)
     pick = jnp.argmax(kept + noise_c, axis=-1)
     candidates = jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    fits = (top_k > 0) & (top_k <= c) & (jnp.sum(x >= kth, axis=-1) <= c)
     full = sampled & ((top_k > 0) | (rs.top_p < 1.0)) & ~fits
     plain = sampled & (top_k == 0) & (rs.top_p >= 1.0)
 

@@ -42,6 +42,64 @@ def test_transform_matches_transformers(rng, temperature, top_k, top_p, min_p):
     assert np.abs(got[finite] - want[finite]).max() <= 1e-5
 
 
+def _wide_rows(rng, v: int = 300) -> np.ndarray:
+    """Logit rows [6, v] from flat to peaked: top-p 0.9's support is wider than the
+    sampler's CANDIDATES largest on the flat rows and inside them on the peaked ones."""
+    scales = np.array([0.3, 1.0, 3.0, 6.0, 10.0, 20.0], np.float32)[:, None]
+    return (rng.standard_normal((6, v)) * scales).astype(np.float32)
+
+
+def _top_mass(logits: np.ndarray, c: int) -> np.ndarray:
+    p = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.sort(p, axis=-1)[:, ::-1][:, :c].sum(axis=-1)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(1.0, 0, 0.9, 0.0), (0.7, 0, 0.5, 0.0), (1.0, 0, 0.95, 0.05),
+                                                           (1.3, 100, 0.9, 0.0), (1.0, 20, 0.9, 0.0)])
+def test_top_p_matches_transformers_on_wide_vocabularies(rng, temperature, top_k, top_p, min_p):
+    """Past the CANDIDATES largest logits: rows whose top-p support lies among them and rows
+    whose support does not (the data holds both, by their own mass), against transformers."""
+    s = Sampling(temperature, top_k, top_p, min_p)
+    logits = _wide_rows(rng)
+    if top_k == 0:
+        mass = _top_mass(logits / temperature, smp.CANDIDATES)
+        assert (mass > top_p + 0.01).any() and (mass < top_p - 0.01).any()
+    want = _hf_logprobs(logits, s)
+    got = np.asarray(smp.transform(jnp.asarray(logits), s))
+    assert np.array_equal(np.isinf(got), np.isinf(want))
+    finite = np.isfinite(want)
+    assert np.abs(got[finite] - want[finite]).max() <= 1e-5
+
+
+@pytest.mark.parametrize("peaked", [False, True], ids=["flat", "peaked"])
+def test_top_p_tokens_follow_the_transformed_distribution(rng, peaked):
+    """Top-p alone over 300 tokens: a support wider than the CANDIDATES largest (drawn over
+    the vocabulary) and one inside them (drawn over the candidates) both follow exp(transform)."""
+    s = Sampling(temperature=1.0, top_p=0.9)
+    logits = (rng.standard_normal(300) * 0.5).astype(np.float32)
+    if peaked:  # ten likely tokens over a flat tail
+        logits[rng.permutation(300)[:10]] += 6.0
+    assert (_top_mass(logits[None], smp.CANDIDATES)[0] > 0.91) == peaked
+    logprobs = np.asarray(smp.transform(jnp.asarray(logits), s), np.float64)
+    assert np.isfinite(logprobs).sum() > 5
+    n = 12000
+    draws = jax.jit(lambda x, pos: smp.target_tokens(jnp.tile(x, (len(pos), 1)), pos,
+                                                     jnp.uint32(int(rng.integers(1 << 30))), s))(
+        jnp.asarray(logits), jnp.arange(n))
+    counts = np.bincount(np.asarray(draws), minlength=300)
+    probs = np.exp(logprobs)
+    support = probs > 0
+    assert counts[~support].sum() == 0
+    expected = n * probs[support] / probs[support].sum()
+    common = expected >= 5  # chi-square's usual validity; the rare tokens pooled into one cell
+    observed = np.append(counts[support][common], counts[support][~common].sum())
+    expected = np.append(expected[common], expected[~common].sum())
+    keep = expected > 0
+    _, p_value = stats.chisquare(observed[keep], expected[keep])
+    assert p_value > 1e-3
+
+
 def test_tiny_temperature_is_the_argmax_not_nan(rng):
     logits = jnp.asarray(rng.standard_normal((3, 200)).astype(np.float32) * 4)
     want = np.argmax(np.asarray(logits), axis=-1)
@@ -120,14 +178,20 @@ def test_invalid_parameters_raise(kwargs):
         Sampling(**kwargs)
 
 
-def test_target_tokens_of_a_row_do_not_depend_on_the_other_rows(rng):
+@pytest.mark.parametrize("s", [Sampling(temperature=0.7, top_k=6), Sampling(temperature=1.0, top_p=0.9)],
+                         ids=["top-k", "top-p"])
+def test_target_tokens_of_a_row_do_not_depend_on_the_other_rows(rng, s):
     """A verify step samples T rows at once; each row's token must be the one a decode
-    step computing that row alone draws, also when another row ties at the k-th logit."""
-    s = Sampling(temperature=0.7, top_k=6)  # no top-p: it could drop the tied tail
-    logits = rng.standard_normal((5, 64)).astype(np.float32) * 3
-    tied = int(rng.integers(5))
-    order = np.argsort(logits[tied])
-    logits[tied, order[-8:-6]] = logits[tied, order[-6]]  # two more tokens tie at the 6th value
+    step computing that row alone draws, also when another row ties at the k-th logit
+    (top-k; no top-p, which could drop the tied tail) or needs a sort of the vocabulary
+    where the others do not (top-p, rows from flat to peaked)."""
+    if s.top_k:
+        logits = rng.standard_normal((5, 64)).astype(np.float32) * 3
+        tied = int(rng.integers(5))
+        order = np.argsort(logits[tied])
+        logits[tied, order[-8:-6]] = logits[tied, order[-6]]  # two more tokens tie at the 6th value
+    else:
+        logits = _wide_rows(rng)[rng.permutation(6)[:5]]
     positions = jnp.arange(5) + int(rng.integers(1000))
     seed = jnp.uint32(int(rng.integers(1 << 30)))
     f = jax.jit(lambda l, p: smp.target_tokens(l, p, seed, s))
