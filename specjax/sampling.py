@@ -131,6 +131,7 @@ def accept_sampled(logits: jax.Array, drafts: jax.Array, logq: jax.Array, n_draf
 # so rows with different settings share one compiled step and new values compile nothing.
 
 CANDIDATES = 64  # top-k of at most this many runs on the k largest logits, not a sort of V
+WIDE_CANDIDATES = 1024  # then, for rows whose support is wider, this many (XLA:CPU sorts V slowly)
 
 
 @struct.dataclass
@@ -187,15 +188,13 @@ def _min_p_rows(x: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.where(probs < min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
 
 
-def _candidates(x: jax.Array, rs: RowSampling, top_k: jax.Array):
-    """The rows whose support lies among their CANDIDATES largest tempered logits x [N, V],
-    and that support there: (candidate ids [N, C], their kept logits [N, C] (-inf where
+def _candidates(x: jax.Array, rs: RowSampling, top_k: jax.Array, c: int):
+    """The rows whose support lies among their c largest tempered logits x [N, V], and
+    that support there: (candidate ids [N, c], their kept logits [N, c] (-inf where
     dropped), fits [N]). A row fits with top-k of at most C (ties at the k-th value
     included, no more than C of them), or with top-p and no top-k when the mass outside
     its C largest is at most 1 - top_p (TopP drops all of it; no ties at the C-th value
     straddle the cut): top-p and min-p then run on the C largest alone."""
-    v = x.shape[-1]
-    c = min(CANDIDATES, v)
     vals, idx = jax.lax.top_k(x, c)
     vals = jax.lax.optimization_barrier(vals)
     kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, c - 1)[:, None], axis=-1)  # [N, 1]
@@ -209,6 +208,26 @@ def _candidates(x: jax.Array, rs: RowSampling, top_k: jax.Array):
     return idx, kept, by_k | by_p
 
 
+def _tiers(x: jax.Array, rs: RowSampling, top_k: jax.Array):
+    """Each row's cheapest exact path to its support: [(ids, kept, fits)] for its CANDIDATES
+    largest logits, then (under a conditional that runs only when some row needs it) its
+    WIDE_CANDIDATES largest for the rows the first tier does not hold (`_candidates`), and
+    `full` [N]: the sampled rows with top-k or top-p that neither holds (a sort of V)."""
+    n, v = x.shape
+    first = _candidates(x, rs, top_k, min(CANDIDATES, v))
+    missed = (rs.temperature > 0) & ((top_k > 0) | (rs.top_p < 1.0)) & ~first[2]
+    c = min(WIDE_CANDIDATES, v)
+
+    def wide(_):
+        idx, kept, fits = _candidates(x, rs, top_k, c)
+        return idx, kept, fits & missed
+
+    second = jax.lax.cond(jnp.any(missed), wide, lambda _: (jnp.zeros((n, c), jnp.int32),
+                                                            jnp.full((n, c), -jnp.inf, x.dtype),
+                                                            jnp.zeros(n, bool)), None)
+    return [first, second], missed & ~second[2]
+
+
 def support_rows(logits: jax.Array, rs: RowSampling) -> jax.Array:
     """Tempered logits [N, V] of each row's sampling distribution, -inf outside its support;
     a greedy row is 0 at its argmax (lowest id on ties) and -inf elsewhere.
@@ -218,6 +237,7 @@ def support_rows(logits: jax.Array, rs: RowSampling) -> jax.Array:
     - no top-k and no top-p: min-p over the whole vocabulary (no sort);
     - top-k of at most CANDIDATES (ties included), or top-p alone where the CANDIDATES
       largest logits hold its whole support (`_candidates`): top-p and min-p on those;
+      else the same on the WIDE_CANDIDATES largest (`_tiers`);
     - otherwise (a larger top-k, a flatter top-p, more ties than CANDIDATES): a sort of V,
       under a conditional that runs only when some row needs it.
     A row's path depends on its own logits and settings only, never on the other rows.
@@ -228,9 +248,7 @@ def support_rows(logits: jax.Array, rs: RowSampling) -> jax.Array:
     top_k = jnp.where((rs.top_k > 0) & (rs.top_k < v), rs.top_k, 0)
     plain = _min_p_rows(x, rs.min_p)
 
-    idx, kept, fits = _candidates(x, rs, top_k)
-    candidates = jnp.full_like(x, -jnp.inf).at[jnp.arange(n)[:, None], idx].set(kept)
-    full = (rs.temperature > 0) & ((top_k > 0) | (rs.top_p < 1.0)) & ~fits
+    tiers, full = _tiers(x, rs, top_k)
 
     def whole_vocabulary(_):
         desc = -jnp.sort(-x, axis=-1)
@@ -239,7 +257,10 @@ def support_rows(logits: jax.Array, rs: RowSampling) -> jax.Array:
         return _top_p_min_p_rows(y, rs.top_p, rs.min_p)
 
     sorted_rows = jax.lax.cond(jnp.any(full), whole_vocabulary, lambda _: plain, None)
-    y = jnp.where(full[:, None], sorted_rows, jnp.where(fits[:, None], candidates, plain))
+    y = plain
+    for idx, kept, fits in reversed(tiers):
+        y = jnp.where(fits[:, None], jnp.full_like(x, -jnp.inf).at[jnp.arange(n)[:, None], idx].set(kept), y)
+    y = jnp.where(full[:, None], sorted_rows, y)
     greedy = jnp.where(jnp.arange(v) == jnp.argmax(logits, axis=-1)[:, None], 0.0, -jnp.inf)
     return jnp.where((rs.temperature > 0)[:, None], y, greedy)
 
@@ -256,8 +277,9 @@ def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Arra
     """One token per row of logits [N, V] under per-row settings; greedy rows take the argmax.
 
     A sampled row draws by Gumbel-max over its support (as `support_rows` defines it), by
-    the cheapest of the same three paths: a row whose support lies among its CANDIDATES
-    largest logits (`_candidates`) adds noise `gumbel(fold_in(key, token))` to those only;
+    the cheapest of the same paths: a row whose support lies among its CANDIDATES (or
+    WIDE_CANDIDATES) largest logits (`_tiers`) adds noise `gumbel(fold_in(key, token))` to
+    those only (so both tiers draw the same token from the same support);
     any other row adds `gumbel(key, [V])[token]` over the vocabulary. Which path serves a
     row, and so its token, depends only on its own logits, key and settings, never on the
     other rows."""
@@ -268,12 +290,18 @@ def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Arra
     top_k = jnp.where((rs.top_k > 0) & (rs.top_k < v), rs.top_k, 0)
     sampled = rs.temperature > 0
 
-    idx, kept, fits = _candidates(x, rs, top_k)
-    noise_c = jax.vmap(lambda key, ids: jax.vmap(
-        lambda t: jax.random.gumbel(jax.random.fold_in(key, t), (), jnp.float32))(ids))(keys, idx)
-    pick = jnp.argmax(kept + noise_c, axis=-1)
-    candidates = jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    full = sampled & ((top_k > 0) | (rs.top_p < 1.0)) & ~fits
+    def draw(idx, kept):
+        noise = jax.vmap(lambda key, ids: jax.vmap(
+            lambda t: jax.random.gumbel(jax.random.fold_in(key, t), (), jnp.float32))(ids))(keys, idx)
+        pick = jnp.argmax(kept + noise, axis=-1)
+        return jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+    tiers, full = _tiers(x, rs, top_k)
+    (idx, kept, fits), (wide_idx, wide_kept, wide_fits) = tiers
+    candidates = jnp.where(fits, draw(idx, kept),
+                           jax.lax.cond(jnp.any(wide_fits), lambda _: draw(wide_idx, wide_kept),
+                                        lambda _: greedy, None))
+    fits = fits | wide_fits
     plain = sampled & (top_k == 0) & (rs.top_p >= 1.0)
 
     def vocabulary(_):  # one draw of noise over V serves both whole-vocabulary paths

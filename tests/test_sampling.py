@@ -42,10 +42,11 @@ def test_transform_matches_transformers(rng, temperature, top_k, top_p, min_p):
     assert np.abs(got[finite] - want[finite]).max() <= 1e-5
 
 
-def _wide_rows(rng, v: int = 300) -> np.ndarray:
+def _wide_rows(rng, v: int = 3000) -> np.ndarray:
     """Logit rows [6, v] from flat to peaked: top-p 0.9's support is wider than the
-    sampler's CANDIDATES largest on the flat rows and inside them on the peaked ones."""
-    scales = np.array([0.3, 1.0, 3.0, 6.0, 10.0, 20.0], np.float32)[:, None]
+    sampler's WIDE_CANDIDATES largest on the flattest rows, inside its CANDIDATES largest
+    on the peaked ones, and between on others."""
+    scales = np.array([0.1, 1.0, 2.0, 3.0, 10.0, 20.0], np.float32)[:, None]
     return (rng.standard_normal((6, v)) * scales).astype(np.float32)
 
 
@@ -63,8 +64,10 @@ def test_top_p_matches_transformers_on_wide_vocabularies(rng, temperature, top_k
     s = Sampling(temperature, top_k, top_p, min_p)
     logits = _wide_rows(rng)
     if top_k == 0:
-        mass = _top_mass(logits / temperature, smp.CANDIDATES)
-        assert (mass > top_p + 0.01).any() and (mass < top_p - 0.01).any()
+        narrow = _top_mass(logits / temperature, smp.CANDIDATES)
+        wide = _top_mass(logits / temperature, smp.WIDE_CANDIDATES)
+        assert (narrow > top_p + 0.01).any() and (wide < top_p - 0.01).any()
+        assert ((narrow < top_p - 0.01) & (wide > top_p + 0.01)).any()
     want = _hf_logprobs(logits, s)
     got = np.asarray(smp.transform(jnp.asarray(logits), s))
     assert np.array_equal(np.isinf(got), np.isinf(want))
@@ -72,22 +75,24 @@ def test_top_p_matches_transformers_on_wide_vocabularies(rng, temperature, top_k
     assert np.abs(got[finite] - want[finite]).max() <= 1e-5
 
 
-@pytest.mark.parametrize("peaked", [False, True], ids=["flat", "peaked"])
-def test_top_p_tokens_follow_the_transformed_distribution(rng, peaked):
-    """Top-p alone over 300 tokens: a support wider than the CANDIDATES largest (drawn over
-    the vocabulary) and one inside them (drawn over the candidates) both follow exp(transform)."""
+@pytest.mark.parametrize("v,peaked", [(300, True), (300, False), (3000, False)], ids=["peaked", "flat", "flat-wide"])
+def test_top_p_tokens_follow_the_transformed_distribution(rng, v, peaked):
+    """Top-p alone: a support inside the CANDIDATES largest logits, one inside the
+    WIDE_CANDIDATES largest (both drawn over those candidates) and one wider (drawn over
+    the vocabulary) all follow exp(transform)."""
     s = Sampling(temperature=1.0, top_p=0.9)
-    logits = (rng.standard_normal(300) * 0.5).astype(np.float32)
+    logits = (rng.standard_normal(v) * 0.5).astype(np.float32)
     if peaked:  # ten likely tokens over a flat tail
-        logits[rng.permutation(300)[:10]] += 6.0
+        logits[rng.permutation(v)[:10]] += 6.0
     assert (_top_mass(logits[None], smp.CANDIDATES)[0] > 0.91) == peaked
+    assert (_top_mass(logits[None], smp.WIDE_CANDIDATES)[0] > 0.91) == (v <= smp.WIDE_CANDIDATES)
     logprobs = np.asarray(smp.transform(jnp.asarray(logits), s), np.float64)
     assert np.isfinite(logprobs).sum() > 5
     n = 12000
     draws = jax.jit(lambda x, pos: smp.target_tokens(jnp.tile(x, (len(pos), 1)), pos,
                                                      jnp.uint32(int(rng.integers(1 << 30))), s))(
         jnp.asarray(logits), jnp.arange(n))
-    counts = np.bincount(np.asarray(draws), minlength=300)
+    counts = np.bincount(np.asarray(draws), minlength=v)
     probs = np.exp(logprobs)
     support = probs > 0
     assert counts[~support].sum() == 0
