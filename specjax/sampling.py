@@ -191,10 +191,10 @@ def _min_p_rows(x: jax.Array, min_p: jax.Array) -> jax.Array:
 def _candidates(x: jax.Array, rs: RowSampling, top_k: jax.Array, c: int):
     """The rows whose support lies among their c largest tempered logits x [N, V], and
     that support there: (candidate ids [N, c], their kept logits [N, c] (-inf where
-    dropped), fits [N]). A row fits with top-k of at most C (ties at the k-th value
-    included, no more than C of them), or with top-p and no top-k when the mass outside
-    its C largest is at most 1 - top_p (TopP drops all of it; no ties at the C-th value
-    straddle the cut): top-p and min-p then run on the C largest alone."""
+    dropped), fits [N]). A row fits with top-k of at most c (ties at the k-th value
+    included, no more than c of them), or with top-p and no top-k when the mass outside
+    its c largest is at most 1 - top_p (TopP drops all of it; no ties at the c-th value
+    straddle the cut): top-p and min-p then run on the c largest alone."""
     vals, idx = jax.lax.top_k(x, c)
     vals = jax.lax.optimization_barrier(vals)
     kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, c - 1)[:, None], axis=-1)  # [N, 1]
