@@ -59,8 +59,9 @@ def _top_mass(logits: np.ndarray, c: int) -> np.ndarray:
 @pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(1.0, 0, 0.9, 0.0), (0.7, 0, 0.5, 0.0), (1.0, 0, 0.95, 0.05),
                                                            (1.3, 100, 0.9, 0.0), (1.0, 20, 0.9, 0.0)])
 def test_top_p_matches_transformers_on_wide_vocabularies(rng, temperature, top_k, top_p, min_p):
-    """Past the CANDIDATES largest logits: rows whose top-p support lies among them and rows
-    whose support does not (the data holds both, by their own mass), against transformers."""
+    """Past the CANDIDATES largest logits: rows whose top-p support lies among them, among
+    the WIDE_CANDIDATES largest only, and beyond those (the data holds all three, by their
+    own mass), against transformers."""
     s = Sampling(temperature, top_k, top_p, min_p)
     logits = _wide_rows(rng)
     if top_k == 0:
