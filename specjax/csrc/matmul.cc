@@ -94,57 +94,89 @@ inline void StoreLine(float* p, Line a) { specjax::Store(p, a.lo), specjax::Stor
 inline float Lane(Line a, int64_t j) { return j < 8 ? a.lo[j] : a.hi[j - 8]; }
 #endif
 
-// Panels [p0, p1) of weights of type W against M <= kRows rows of x; M is a template
-// argument so the accumulators live in registers while the panel streams past. int8 panels
+// Panels per pass for M rows: each output is one FMA chain, whose latency (4 cycles) caps a
+// pass of one row and one panel at a 64-byte line per 4 cycles, below what the caches deliver
+// for a model resident in L3; a pass over several panels at once runs that many chains side
+// by side. The chains and their order are the same however panels are grouped, so this
+// changes no bits.
+constexpr int PanelsPerPass(int m) {
+#if defined(__AVX512F__)
+  return m == 1 ? 4 : m < 4 ? 2 : 1;  // accumulators and lines within 32 registers
+#else
+  return m == 1 ? 2 : 1;  // a line is two vectors here
+#endif
+}
+constexpr int64_t kGroup = 4;  // panels per unit of work: a multiple of every PanelsPerPass
+
+// NP panels from p0 of weights of type W against M <= kRows rows of x; M and NP are template
+// arguments so the accumulators live in registers while the panels stream past. int8 panels
 // (q8: cpu_kernels.quantize) come with scales [P, ceil(D/32), 16], one per output and block
 // of 32 columns: the weight is q * scale, rounded to float32 as NumPy's q * scale is, then
 // the same FMA chain.
-template <typename W, int M>
-void Panels(const float* x, const W* w, const float* scales, float* y, int64_t D, int64_t N, int64_t p0,
-            int64_t p1) {
+template <typename W, int M, int NP>
+void Panels(const float* x, const W* w, const float* scales, float* y, int64_t D, int64_t N, int64_t p0) {
   constexpr bool kQ8 = std::is_same_v<W, int8_t>;
   const int64_t blocks = (D + kBlock - 1) / kBlock;
-  for (int64_t p = p0; p < p1; ++p) {
-    const W* panel = w + p * D * kPanel;
-    Line acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = Line{};
-    for (int64_t k0 = 0; k0 < D; k0 += kBlock) {
-      Line scale{};
-      if constexpr (kQ8) scale = LoadLine(scales + (p * blocks + k0 / kBlock) * kPanel);
-      for (int64_t k = k0; k < std::min(D, k0 + kBlock); ++k) {
-        __builtin_prefetch(panel + (k + kAheadBytes / int64_t{sizeof(W) * kPanel}) * kPanel, 0, 0);
-        Line line = WidenLine(panel + k * kPanel);
-        if constexpr (kQ8) line = Scale(line, scale);
-        for (int m = 0; m < M; ++m) acc[m] = Fma(Splat(x[m * D + k]), line, acc[m]);
+  const W* panel[NP];
+  for (int q = 0; q < NP; ++q) panel[q] = w + (p0 + q) * D * kPanel;
+  Line acc[NP][M];
+  for (int q = 0; q < NP; ++q)
+    for (int m = 0; m < M; ++m) acc[q][m] = Line{};
+  for (int64_t k0 = 0; k0 < D; k0 += kBlock) {
+    Line scale[NP];
+    for (int q = 0; q < NP; ++q) {
+      scale[q] = Line{};
+      if constexpr (kQ8) scale[q] = LoadLine(scales + ((p0 + q) * blocks + k0 / kBlock) * kPanel);
+    }
+    for (int64_t k = k0; k < std::min(D, k0 + kBlock); ++k) {
+      Line line[NP];
+      for (int q = 0; q < NP; ++q) {
+        __builtin_prefetch(panel[q] + (k + kAheadBytes / int64_t{sizeof(W) * kPanel}) * kPanel, 0, 0);
+        line[q] = WidenLine(panel[q] + k * kPanel);
+        if constexpr (kQ8) line[q] = Scale(line[q], scale[q]);
+      }
+      for (int m = 0; m < M; ++m) {
+        const Line xs = Splat(x[m * D + k]);
+        for (int q = 0; q < NP; ++q) acc[q][m] = Fma(xs, line[q], acc[q][m]);
       }
     }
-    const int64_t n0 = p * kPanel;
+  }
+  for (int q = 0; q < NP; ++q) {
+    const int64_t n0 = (p0 + q) * kPanel;
     if (n0 + kPanel <= N) {
-      for (int m = 0; m < M; ++m) StoreLine(y + m * N + n0, acc[m]);
+      for (int m = 0; m < M; ++m) StoreLine(y + m * N + n0, acc[q][m]);
     } else {  // the last panel, zero-padded past N
       for (int m = 0; m < M; ++m)
-        for (int64_t j = 0; n0 + j < N; ++j) y[m * N + n0 + j] = Lane(acc[m], j);
+        for (int64_t j = 0; n0 + j < N; ++j) y[m * N + n0 + j] = Lane(acc[q][m], j);
     }
   }
 }
 
 template <typename W>
-using PanelsFn = void (*)(const float*, const W*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+using PanelsFn = void (*)(const float*, const W*, const float*, float*, int64_t, int64_t, int64_t);
 
+// Panels<W, m, PanelsPerPass(m)> (wide) or Panels<W, m, 1> for m = 1 .. kRows.
 template <typename W, int... Ms>
-PanelsFn<W> Pick(int64_t m, std::integer_sequence<int, Ms...>) {
-  PanelsFn<W> fns[] = {&Panels<W, Ms + 1>...};
-  return fns[m - 1];
+PanelsFn<W> Pick(int64_t m, bool wide, std::integer_sequence<int, Ms...>) {
+  PanelsFn<W> wides[] = {&Panels<W, Ms + 1, PanelsPerPass(Ms + 1)>...};
+  PanelsFn<W> ones[] = {&Panels<W, Ms + 1, 1>...};
+  return wide ? wides[m - 1] : ones[m - 1];
 }
 
 template <typename W>
 void Run(ffi::ThreadPool& pool, const float* xp, const W* wp, const float* sp, float* yp, int64_t M, int64_t D,
          int64_t P, int64_t N) {
-  ParallelFor(pool, P, [&](int64_t p) {
-    // More than kRows rows: passes of kRows over the panel (read again from L1/L2).
+  ParallelFor(pool, (P + kGroup - 1) / kGroup, [&](int64_t u) {
+    const int64_t g0 = u * kGroup, g1 = std::min(P, g0 + kGroup);
+    // More than kRows rows: passes of kRows over the group's panels (read again from L1/L2).
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-      const PanelsFn<W> panels = Pick<W>(std::min<int64_t>(kRows, M - m0), std::make_integer_sequence<int, kRows>{});
-      panels(xp + m0 * D, wp, sp, yp + m0 * N, D, N, p, p + 1);
+      const int64_t rows = std::min<int64_t>(kRows, M - m0);
+      const int64_t np = PanelsPerPass(static_cast<int>(rows));
+      const auto seq = std::make_integer_sequence<int, kRows>{};
+      const PanelsFn<W> wide = Pick<W>(rows, true, seq), one = Pick<W>(rows, false, seq);
+      int64_t p = g0;
+      for (; p + np <= g1; p += np) wide(xp + m0 * D, wp, sp, yp + m0 * N, D, N, p);
+      for (; p < g1; ++p) one(xp + m0 * D, wp, sp, yp + m0 * N, D, N, p);
     }
   });
 }
