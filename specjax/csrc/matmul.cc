@@ -14,8 +14,8 @@
 // pair of eight-float vectors.
 //
 // Each output is one FMA chain over k = 0 .. D-1 in order, so row m's result is bitwise the
-// same whatever M is and however rows are grouped into passes: the logits of a token in a
-// verify step equal those of the decode step that would have produced it.
+// same whatever M is and however rows and panels are grouped into passes: the logits of a
+// token in a verify step equal those of the decode step that would have produced it.
 //
 // The panels may hold float32, bfloat16 or float16 (a 16-bit checkpoint kept in 16 bits:
 // half the bytes a step streams). A 16-bit panel line is widened to float32 in registers
