@@ -59,6 +59,20 @@ inline bool Sees(int64_t j, int32_t p, int64_t base, int32_t bits) {
   return d < 0 || d >= 32 || ((static_cast<uint32_t>(bits) >> d) & 1u);
 }
 
+// Whether the positions query (p, base, bits) sees among 0 .. n - 1 are exactly 0 .. min(p, n - 1):
+// every chain query, and a tree node none of whose window positions up to its own is
+// hidden. Its list is then the scores in order, and the softmax needs no test per position.
+// (A maximum taken lane by lane is the same value as one taken in order: `x > m ? x : m`
+// never picks a NaN, and which zero it keeps does not change exp(x - m).)
+inline bool SeesPrefix(int32_t p, int64_t n, int64_t base, int32_t bits) {
+  const int64_t last = p < n - 1 ? p : n - 1;
+  const int64_t lo = base > 0 ? base : 0, hi = last < base + 31 ? last : base + 31;
+  if (hi < lo) return true;
+  const int64_t count = hi - lo + 1;
+  const uint32_t mask = (count == 32 ? ~0u : ((1u << count) - 1u)) << (lo - base);
+  return (static_cast<uint32_t>(bits) & mask) == mask;
+}
+
 template <int NV>
 void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, const int32_t* bits, int64_t base,
           const float* kb, const float* vb, const int32_t* seen, int64_t n, int64_t R, int64_t G, float scale,
@@ -99,13 +113,31 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
     const float* row = scores + r * n;
     float* wrow = weights + r * n;
     const int32_t p = pos[r / G], b = bits[r / G];
+    const bool prefix = SeesPrefix(p, n, base, b);
     int64_t c = 0;  // the scores of the positions this query sees
     float m = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) {
-      if (!Sees(j, p, base, b)) continue;
-      own[c] = row[j] * scale;
-      m = own[c] > m ? own[c] : m;
-      ++c;
+    if (prefix) {  // the same list and maximum, without a test per position
+      c = p < 0 ? 0 : p + 1 < n ? p + 1 : n;
+      const V8 sc = Splat(scale);
+      V8 mv = V8{} - INFINITY;
+      int64_t j = 0;
+      for (; j + 8 <= c; j += 8) {
+        const V8 x = Load(row + j) * sc;
+        Store(own + j, x);
+        mv = x > mv ? x : mv;
+      }
+      for (int i = 0; i < 8; ++i) m = mv[i] > m ? mv[i] : m;
+      for (; j < c; ++j) {
+        own[j] = row[j] * scale;
+        m = own[j] > m ? own[j] : m;
+      }
+    } else {
+      for (int64_t j = 0; j < n; ++j) {
+        if (!Sees(j, p, base, b)) continue;
+        own[c] = row[j] * scale;
+        m = own[c] > m ? own[c] : m;
+        ++c;
+      }
     }
     // exp of every score through the same vector code (the tail padded with -inf, whose
     // weight is exactly 0), summed in eight lanes in list order.
@@ -120,7 +152,15 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
     }
     const float sum = Lanes(sums);
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    for (int64_t j = 0, k = 0; j < n; ++j) wrow[j] = Sees(j, p, base, b) ? own[k++] * inv : 0.0f;
+    if (prefix) {
+      const V8 iv = Splat(inv);
+      int64_t j = 0;
+      for (; j + 8 <= c; j += 8) Store(wrow + j, Load(own + j) * iv);
+      for (; j < c; ++j) wrow[j] = own[j] * inv;
+      for (; j < n; ++j) wrow[j] = 0.0f;
+    } else {
+      for (int64_t j = 0, k = 0; j < n; ++j) wrow[j] = Sees(j, p, base, b) ? own[k++] * inv : 0.0f;
+    }
     for (int i = 0; i < NV; ++i) accs[r * NV + i] = V8{};
   }
   for (int64_t j0 = 0; j0 < n; j0 += kSlotBlock) {
