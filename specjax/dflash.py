@@ -21,6 +21,12 @@ layer the K (k_norm + RoPE at the row's absolute position) and V of every commit
 context row, slot = absolute position; block rows are never kept, so drafting only reads
 the cache. The engine runs the same pieces over paged pools (`specjax.drafters`).
 
+Markov head (optional; DSpark's, Cheng et al., arXiv:2607.05147; `markov_bias`): the block
+pass gives every block row its logits at once, independently of the tokens chosen at the
+other rows; the head adds to row k a bias from the token chosen at row k-1, token by
+token, without rerunning the layers. It is stored beside the public files (`markov_head.safetensors`), so the folder
+still loads anywhere, with or without it.
+
 Training (`block_logits`) runs many blocks of one sequence in one packed pass under
 `block_mask`, recomputing context K/V from the features with the same pieces, so each
 block's logits equal what `draft_block` gives with the context cut at its anchor.
@@ -48,6 +54,9 @@ from .qwen3 import attend_masked, linear, mlp, rms_norm, rope, unembed
 
 ARCHITECTURE = "DFlashDraftModel"
 VOCAB_FILE = "draft_vocab.json"  # {"token_ids": [...]}: a Drafter's vocab, when it has one
+MARKOV_FILE = "markov_head.safetensors"  # the optional Markov head, DeepSpec's tensor names (MARKOV_NAMES)
+MARKOV = "markov"  # its runtime key: params[MARKOV] = {"w1": [V, r], "w2": [V, r]}, float32
+MARKOV_NAMES = {"w1": "markov_head.markov_w1.weight", "w2": "markov_head.markov_w2.weight"}
 DRAFT_LAYERS = "layers"
 # Options of newer z-lab/dflash code (`dflash/model.py`) whose non-default values we do not run.
 _DEFAULTS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": 0.0,
@@ -214,6 +223,7 @@ class Drafter:
     (the most frequent ones, as EAGLE-3 does; `train.draft_vocab` picks them), or None for
     the whole vocabulary. Drafts are only proposals, so it changes their cost, never the
     output. Saved as draft_vocab.json next to the public files, which load without it.
+    A Markov head, when the drafter has one, is `params[MARKOV]` (`markov_bias`).
     """
 
     params: Params
@@ -239,8 +249,9 @@ def hf_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, ...]]:
 
 
 def to_hf(params: Params, cfg: DFlashConfig) -> dict[str, Any]:
-    """Runtime tree -> checkpoint names (inverse of what `load_dflash` reads)."""
-    tree = {(LAYERS if k == DRAFT_LAYERS else k): v for k, v in params.items()}
+    """Runtime tree -> checkpoint names (inverse of what `load_dflash` reads; the Markov
+    head, which has a file of its own, is left out)."""
+    tree = {(LAYERS if k == DRAFT_LAYERS else k): v for k, v in params.items() if k != MARKOV}
     return {n.removeprefix("model."): v for n, v in checkpoint.to_hf(tree, cfg.layer_config).items()}
 
 
@@ -287,9 +298,10 @@ def init(target_cfg: Qwen3Config, key: jax.Array, num_layers: int = 5, block_siz
     return Drafter(init_params(cfg, key, dtype, std), cfg, jnp.dtype(dtype))
 
 
-def load_dflash(path: str | Path, target: Model, dtype: Any = None, mesh: jax.sharding.Mesh | None = None
-                ) -> Drafter:
+def load_dflash(path: str | Path, target: Model, dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
+                markov: bool = True) -> Drafter:
     """Load a public DFlash drafter folder for `target` (a Model); dtype defaults to the target's.
+    Its Markov head (markov_head.safetensors) is loaded when present, unless `markov` is False.
 
     With a `jax.sharding.Mesh` (the target's, for a target loaded with `mesh=`), each weight
     is placed tensor-parallel over it as it is read, by the rule that places the target's
@@ -308,7 +320,50 @@ def load_dflash(path: str | Path, target: Model, dtype: Any = None, mesh: jax.sh
         raw = read_json(folder / VOCAB_FILE)
         vocab = check_vocab(raw.get("token_ids") if isinstance(raw, dict) else None, cfg.vocab_size,
                             str(folder / VOCAB_FILE))
+    if markov and (folder / MARKOV_FILE).is_file():
+        head = read_markov(folder / MARKOV_FILE, cfg.vocab_size)
+        params[MARKOV] = head if mesh is None else jax.device_put(head, jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec()))
     return Drafter(params, cfg, dtype, folder, vocab)
+
+
+def init_markov(vocab_size: int, rank: int, key: jax.Array, std: float = 0.02) -> Params:
+    """A Markov head of `rank` that adds nothing yet: random w1, zero w2 (so a drafter it
+    is added to drafts as before until it is trained)."""
+    if rank < 1:
+        raise ConfigError(f"a Markov head needs rank >= 1, got {rank}")
+    return {"w1": std * jax.random.normal(key, (vocab_size, rank), jnp.float32),
+            "w2": jnp.zeros((vocab_size, rank), jnp.float32)}
+
+
+def markov_bias(markov: Params, prev: jax.Array, ids: jax.Array | None = None) -> jax.Array:
+    """The Markov head's logit bias [..., N] (float32) of block rows whose previous token is
+    `prev` [...]: w1[prev] . w2[ids] (ids: a draft vocabulary's, else all V tokens).
+
+    DSpark (arXiv:2607.05147): the block pass's logits are unary, each row's independent
+    of the tokens chosen at the others; a low-rank bigram term lets row k agree with the
+    token actually chosen at row k-1, at the cost of an [r, N] product per row."""
+    e = markov["w1"].astype(jnp.float32)[prev]  # [..., r]
+    w2 = markov["w2"].astype(jnp.float32)
+    return jnp.einsum("...r,nr->...n", e, w2 if ids is None else w2[ids])
+
+
+def read_markov(path: Path, vocab_size: int) -> Params:
+    """A Markov head from its safetensors file, shapes checked (errors name the file)."""
+    from safetensors.numpy import load_file
+
+    try:
+        raw = load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a bad file
+        raise DFlashError(f"{path}: not a readable safetensors file ({e})") from e
+    if set(raw) != set(MARKOV_NAMES.values()):
+        raise DFlashError(f"{path}: expected tensors {sorted(MARKOV_NAMES.values())}, found {sorted(raw)}")
+    head = {key: raw[name] for key, name in MARKOV_NAMES.items()}
+    w1, w2 = head["w1"].shape, head["w2"].shape
+    if len(w1) != 2 or w1[0] != vocab_size or w2 != w1:
+        raise DFlashError(f"{path}: {MARKOV_NAMES['w1']} {w1} and {MARKOV_NAMES['w2']} {w2} must both be "
+                          f"[{vocab_size}, rank] (the target's vocabulary)")
+    return {k: jnp.asarray(v, jnp.float32) for k, v in head.items()}
 
 
 def check_vocab(ids: Any, vocab_size: int, source: str) -> np.ndarray:
@@ -328,7 +383,8 @@ def check_vocab(ids: Any, vocab_size: int, source: str) -> np.ndarray:
 
 def save_dflash(drafter: Drafter, path: str | Path, dtype: str = "bfloat16") -> None:
     """Write config.json and model.safetensors in the public format (and draft_vocab.json
-    when the drafter has a draft vocabulary); the argument order of `specjax.save`.
+    when the drafter has a draft vocabulary, markov_head.safetensors when it has a Markov
+    head); the argument order of `specjax.save`.
 
     The old order, save_dflash(path, drafter), still works for one release with a
     DeprecationWarning (told apart by the drafter's type).
@@ -349,6 +405,13 @@ def save_dflash(drafter: Drafter, path: str | Path, dtype: str = "bfloat16") -> 
         (folder / VOCAB_FILE).write_text(json.dumps({"token_ids": [int(i) for i in drafter.vocab]}))
     else:
         (folder / VOCAB_FILE).unlink(missing_ok=True)
+    if MARKOV in drafter.params:
+        from safetensors.flax import save_file
+
+        head = {MARKOV_NAMES[k]: jnp.asarray(v).astype(dtype) for k, v in drafter.params[MARKOV].items()}
+        save_file(head, str(folder / MARKOV_FILE))
+    else:
+        (folder / MARKOV_FILE).unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------- forward
@@ -496,3 +559,12 @@ def block_logits(params: Params, cfg: DFlashConfig, target_params: Params, targe
     q_pos = (anchors[:, None] + jnp.arange(b, dtype=jnp.int32)).reshape(-1)  # [N*B]
     h = _block_pass(params, cfg, x, q_pos, ctx_k, ctx_v, block_mask(anchors, b, t))
     return unembed(target_params, target_cfg, h.reshape(n_blocks, b, -1)[:, 1:].astype(embed.dtype))
+
+
+def block_markov_logits(markov: Params, logits: jax.Array, tokens: jax.Array, anchors: jax.Array) -> jax.Array:
+    """Training: `block_logits`' [N, B-1, V] of one sequence (tokens [T]) plus the Markov
+    head's bias from the true token before each row's label (teacher forcing): row k of
+    block n is biased by tokens[anchors[n] + k - 1]. Where the drafts before a row are
+    right this is the row's logits as `drafters.markov_drafts` drafts them."""
+    prev = tokens[jnp.minimum(anchors[:, None] + jnp.arange(logits.shape[1]), tokens.shape[0] - 1)]  # [N, B-1]
+    return logits.astype(jnp.float32) + markov_bias(markov, prev)

@@ -13,7 +13,9 @@
   row attends to the context before the block and to the whole block. The block's own
   keys and values are written at the block's positions, where later context rows
   overwrite them; a pass at start s reads nothing at or past s that it did not write
-  itself. Rounds that do not use the drafter cost it one copy of taps.
+  itself. Rounds that do not use the drafter cost it one copy of taps. A drafter with a
+  Markov head then chooses the block's tokens left to right, each row's logits biased
+  by the token chosen at the row before (`markov_drafts`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from . import kv as kvlib
 from . import sampling as smp
 from .checkpoint import LAYERS, Params
 from .config import Qwen3Config
-from .dflash import DRAFT_LAYERS, DFlashConfig, context_rows
+from .dflash import DRAFT_LAYERS, MARKOV, DFlashConfig, context_rows, markov_bias
 from .kv import KVCache
 from .qwen3 import head_weight, hidden_states, project, unembed
 from .sampling import RowSampling
@@ -355,10 +357,18 @@ def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: P
     token of a draw without replacement (`tree_accept.children_without_replacement`) on the
     same DRAFT-stream noise, whose first token is that row's sampled draft (-1 where q has
     one token only): a sampled tree's second children (`sampled_tree`). With a draft
-    vocabulary's `head`, q is zero outside it."""
+    vocabulary's `head`, q is zero outside it. With a Markov head (fparams[MARKOV]) the
+    drafts, q and the tree's logits are `markov_drafts`'."""
     fc = catch_up(fparams, fcfg, fc, start)
     logits, fkv = block_logits(fparams, fcfg, fc.kv, params, cfg, last, start, k, head)
     fc = fc.replace(kv=fkv)
+    if MARKOV in fparams:
+        drafts, logq, second, logits = markov_drafts(fparams[MARKOV], logits, last, start, seeds, rs, sample,
+                                                     sample_drafts, cfg.vocab_size, head, bool(tree_nodes))
+        ranked = block_tree(logits, head, tree_nodes) if tree_nodes else None
+        if ranked is not None and second is not None:
+            ranked = {**ranked, "second": second}
+        return drafts, logq, fc, ranked
     rows = last.shape[0]
     ranked = block_tree(logits, head, tree_nodes) if tree_nodes else None
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -378,6 +388,47 @@ def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: P
     else:
         drawn = jax.vmap(smp.sample)(logq, keys).reshape(rows, k)
     return jnp.where(sample[:, None], drawn, greedy), logq.reshape(rows, k, -1), fc, ranked
+
+
+def markov_drafts(markov: Params, logits: jax.Array, last: jax.Array, start: jax.Array, seeds: jax.Array,
+                  rs: RowSampling, sample: jax.Array, sample_drafts: bool, vocab_size: int, head: Head | None,
+                  pairs: bool) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array]:
+    """A block's drafts chosen left to right through a Markov head (`dflash.markov_bias`):
+    block row j's logits [R, N] (`block_logits`') plus the head's bias from the token
+    chosen at row j - 1 (`last` for row 0); then its argmax, or where `sample` is set a
+    draw from its transformed q keyed by (seed, DRAFT stream, position), as `block_drafts`
+    draws. Every q is that of the tokens before it as drafted, so the acceptance rule
+    sees the distribution that produced each draft.
+
+    Returns (drafts [R, k], logq [R, k, V] when sample_drafts else None, with `pairs` and
+    sample_drafts the second token of each row's draw without replacement [R, k] else None,
+    the biased logits [R, k, N]: a greedy row's along its own argmax chain, from which its
+    DFlash tree is ranked as the block's logits are)."""
+    w2 = markov["w2"] if head is None else markov["w2"][head[1]]  # [N, r], once for every row
+    ids = None if head is None else head[1]
+
+    def row(prev, j):
+        biased = logits[:, j].astype(jnp.float32) + markov_bias({"w1": markov["w1"], "w2": w2}, prev)  # [R, N]
+        greedy = jnp.argmax(biased, axis=-1).astype(jnp.int32)
+        greedy = greedy if ids is None else ids[greedy]
+        if not sample_drafts:
+            return greedy, (greedy, biased)
+        full = biased if ids is None else jnp.full((biased.shape[0], vocab_size), -jnp.inf).at[:, ids].set(biased)
+        logq = smp.transform_rows(full, rs)
+        keys = jax.vmap(lambda s, p: smp.position_key(s, smp.DRAFT, p))(seeds, start + 1 + j)
+        if pairs:  # two draws without replacement on the same noise: the first is smp.sample's draw
+            pair = jax.vmap(lambda lq, key: children_without_replacement(lq, key, 2))(logq, keys)
+            drawn, second = pair[:, 0], pair[:, 1]
+        else:
+            drawn, second = jax.vmap(smp.sample)(logq, keys), greedy
+        chosen = jnp.where(sample, drawn, greedy)
+        return chosen, (chosen, biased, logq, second)
+
+    _, out = jax.lax.scan(row, last.astype(jnp.int32), jnp.arange(logits.shape[1]))
+    out = [x.swapaxes(0, 1) for x in out]  # rows first
+    if not sample_drafts:
+        return out[0], None, None, out[1]
+    return out[0], out[2], out[3] if pairs else None, out[1]
 
 
 def sampled_tree_shape(nodes: jax.Array) -> tuple[jax.Array, jax.Array]:
