@@ -309,6 +309,32 @@ def test_init_starts_from_a_saved_drafter(cyclic, data, tmp_path):
         trainer.train(target, other, tc, data, tmp_path / "run2", init=tmp_path / "saved")
 
 
+def test_a_markov_head_trains_beside_a_drafter_left_as_it_would_be(cyclic, data, tmp_path):
+    """--markov-rank: the drafter's weights after the run are bitwise those of the same run
+    without a head (the head's loss reads the block logits with their gradient stopped,
+    and it has an optimizer of its own); the head learns the target's walk, a bigram,
+    faster than the block pass; the export carries it and loads with or without it; --init
+    from a drafter with a head of another rank is refused."""
+    target, _ = cyclic
+    cfg = _cfg(target)
+    runs = {}
+    for rank in (0, 16):
+        tc = dataclasses.replace(TC, steps=30, eval_every=30, markov_rank=rank, log_every=10)
+        runs[rank] = trainer.train(target, cfg, tc, data, tmp_path / f"run{rank}", tmp_path / f"out{rank}",
+                                   [("train", data.tokens[0, :DC.prompt_len])])
+    head = runs[16]["params"].pop(dflash.MARKOV)
+    assert_trees_equal(runs[0]["params"], runs[16]["params"])
+    assert head["w1"].shape == (cfg.vocab_size, 16) and float(jnp.abs(head["w2"]).max()) > 0
+    rows = [json.loads(line) for line in (tmp_path / "run16" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if "markov_loss" in r][-1]
+    assert last["markov_loss"] < last["train_loss"] - 0.5, last
+    assert dflash.MARKOV in specjax.load_dflash(tmp_path / "out16", target).params
+    assert dflash.MARKOV not in specjax.load_dflash(tmp_path / "out16", target, markov=False).params
+    with pytest.raises(ValueError, match="Markov head has rank 16, --markov-rank asks for 8"):
+        trainer.train(target, cfg, dataclasses.replace(tc, markov_rank=8), data, tmp_path / "run8",
+                      init=tmp_path / "out16")
+
+
 def test_draft_vocabulary_is_the_most_frequent_tokens(rng):
     """train.draft_vocab against collections.Counter over the same token stream."""
     from collections import Counter

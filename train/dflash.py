@@ -13,9 +13,12 @@ The DFlash paper's recipe (arXiv:2602.06036), sized by flags:
    block only (``dflash.block_logits``: one packed pass per sequence). Block row k
    predicts token a+k; cross-entropy weighted exp(-(k-1)/gamma), normalised by the
    weight sum; embedding and head are the target's and stay frozen. AdamW with warmup +
-   cosine and clipping 1.0 (``train.lm.make_optimizer``). With ``--accum K`` a step is
-   K micro-batches of ``batch`` sequences (the gradient of all of them), and each
-   micro-batch is split over ``--devices`` local devices (:func:`data_mesh`); with
+   cosine and clipping 1.0 (``train.lm.make_optimizer``). With ``--markov-rank R`` a
+   Markov head of rank R (:func:`specjax.dflash.markov_bias`) trains beside the drafter
+   on the block logits with their gradient stopped, teacher-forced, under an optimizer
+   of its own: the drafter's weights are those of the same run without it. With
+   ``--accum K`` a step is K micro-batches of ``batch`` sequences (the gradient of all
+   of them), and each micro-batch is split over ``--devices`` local devices (:func:`data_mesh`); with
    ``--tp K`` the frozen target is split tensor-parallel over groups of K of them
    (:mod:`specjax.sharding`) and the batch over the devices / K groups. The
    forward runs in bfloat16 on accelerators and float32 on CPU (``--precision``,
@@ -100,6 +103,7 @@ class DFlashTrainConfig:
     clip: float = 1.0
     gamma: float = 0.0         # 0: default_gamma(block_size)
     log_every: int = 20        # training loss rows in metrics.jsonl
+    markov_rank: int = 0       # a Markov head of this rank trained beside the drafter (0: none)
     eval_every: int = 200
     eval_tokens: int = 96      # new tokens per evaluation prompt
     save_every_minutes: float = 5.0
@@ -139,7 +143,14 @@ def loss_fn(params: Params, cfg: DFlashConfig, target_params: Params, target_cfg
 
 def loss_sums(params: Params, cfg: DFlashConfig, target_params: Params, target_cfg: Qwen3Config, gamma: float,
               batch: dict[str, jax.Array]) -> jax.Array:
-    """block_sums() of a batch (as loss_fn): sums add over micro-batches and devices."""
+    """block_sums() of a batch (as loss_fn): sums add over micro-batches and devices.
+
+    With a Markov head (params[dflash.MARKOV]) two more: its weighted cross-entropy and
+    leading right predictions, of the block logits plus its bias from each row's previous
+    token (teacher-forced: the true token before the row's label), over the block logits
+    with their gradient stopped. The head learns to correct the block pass and the
+    layers train exactly as without it, so the drafter without its head is as good as one
+    trained alone."""
     tokens, anchors, valid = batch["tokens"], batch["anchors"], batch["valid"]
     bt, s = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), tokens.shape)
@@ -150,7 +161,12 @@ def loss_sums(params: Params, cfg: DFlashConfig, target_params: Params, target_c
         features, ids, anchors)  # [Bt, N, B-1, V]
     labels, weights = jax.vmap(lambda t, a, v, n: block_targets(t, a, v, n, cfg.block_size, gamma))(
         tokens, anchors, valid, batch["lengths"])
-    return block_sums(logits, labels, weights, valid)
+    sums = block_sums(logits, labels, weights, valid)
+    if dflash.MARKOV not in params:
+        return sums
+    chained = jax.vmap(lambda lg, t, a: dflash.block_markov_logits(params[dflash.MARKOV], lg, t, a))(
+        jax.lax.stop_gradient(logits), tokens, anchors)
+    return jnp.concatenate([sums, block_sums(chained, labels, weights, valid)[jnp.array([0, 2])]])
 
 
 def block_sums(logits: jax.Array, labels: jax.Array, weights: jax.Array, valid: jax.Array) -> jax.Array:
@@ -168,6 +184,11 @@ def block_sums(logits: jax.Array, labels: jax.Array, weights: jax.Array, valid: 
 def loss_and_tau(sums: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(weighted cross-entropy, train tau) of block_sums()."""
     return sums[0] / jnp.maximum(sums[1], 1e-9), 1.0 + sums[2] / jnp.maximum(sums[3], 1)
+
+
+def markov_loss_and_tau(sums: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(weighted cross-entropy, train tau) with the Markov head, of loss_sums()' six sums."""
+    return loss_and_tau(sums[jnp.array([4, 1, 5, 3])])
 
 
 def block_loss(logits: jax.Array, labels: jax.Array, weights: jax.Array, valid: jax.Array
@@ -197,10 +218,26 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
+def make_optimizer(tc: DFlashTrainConfig) -> optax.GradientTransformation:
+    """`train.lm.make_optimizer`; with a Markov head one for the drafter and one for the
+    head (same settings), so the head's gradient never scales the drafter's step through
+    the global-norm clip: the drafter trains as it would without the head."""
+    if not tc.markov_rank:
+        return lm.make_optimizer(tc)
+
+    def labels(params: Params) -> Params:
+        return {k: jax.tree.map(lambda _, k=k: "markov" if k == dflash.MARKOV else "drafter", v)
+                for k, v in params.items()}
+
+    return optax.multi_transform({"drafter": lm.make_optimizer(tc), "markov": lm.make_optimizer(tc)}, labels)
+
+
 @functools.cache
 def make_train_step(cfg: DFlashConfig, target_cfg: Qwen3Config, tc: DFlashTrainConfig,
                     compute: np.dtype = np.dtype(np.float32)) -> Callable:
-    """Jitted ``(params, opt_state, target_params, batch) -> (params, opt_state, loss, tau)``
+    """Jitted ``(params, opt_state, target_params, batch) -> (params, opt_state, sums)``
+    (`loss_sums`' of the whole batch: `loss_and_tau`, and with a Markov head
+    `markov_loss_and_tau`, read them)
     over a batch of ``tc.accum`` micro-batches (leaves [accum, batch, ...], :func:`batch_at`);
     donates the drafter state; the target's params are only read.
 
@@ -212,12 +249,13 @@ def make_train_step(cfg: DFlashConfig, target_cfg: Qwen3Config, tc: DFlashTrainC
     divided by the weight of all of them, so a step is exactly one over the whole batch
     (up to float summation order), however it is split. Sharded over devices along the
     batch axis, XLA's partitioner inserts the reductions of these sums."""
-    optimizer = lm.make_optimizer(tc)
+    optimizer = make_optimizer(tc)
     gamma = tc.gamma or default_gamma(cfg.block_size)
+    n_sums = 6 if tc.markov_rank else 4
 
-    def weighted_ce(params, target_params, batch):  # (the sum to differentiate, block_sums)
+    def weighted_ce(params, target_params, batch):  # (the sum to differentiate, loss_sums)
         sums = loss_sums(cast_floats(params, compute), cfg, target_params, target_cfg, gamma, batch)
-        return sums[0], sums
+        return sums[0] + (sums[4] if tc.markov_rank else 0.0), sums
 
     def micro(params, target_params, carry, batch):
         grads, sums = carry
@@ -225,30 +263,41 @@ def make_train_step(cfg: DFlashConfig, target_cfg: Qwen3Config, tc: DFlashTrainC
         return (jax.tree.map(jnp.add, grads, g), sums + s), None
 
     def step(params, opt_state, target_params, batch):
-        zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(4, jnp.float32))
+        zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(n_sums, jnp.float32))
         (grads, sums), _ = jax.lax.scan(functools.partial(micro, params, target_params), zeros, batch)
         grads = jax.tree.map(lambda g: g / jnp.maximum(sums[1], 1e-9), grads)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state, *loss_and_tau(sums))
+        return optax.apply_updates(params, updates), opt_state, sums
 
     return jax.jit(step, donate_argnums=(0, 1))
 
 
 def initial_state(cfg: DFlashConfig, tc: DFlashTrainConfig) -> dict:
-    """Fresh {"params", "opt_state"} of a drafter (float32 master weights)."""
-    params = dflash.init_params(cfg, jax.random.key(tc.seed))
-    return {"params": params, "opt_state": lm.make_optimizer(tc).init(params)}
+    """Fresh {"params", "opt_state"} of a drafter (float32 master weights), with a fresh
+    Markov head when tc.markov_rank asks for one."""
+    key = jax.random.key(tc.seed)
+    params = dflash.init_params(cfg, key)
+    if tc.markov_rank:
+        params[dflash.MARKOV] = dflash.init_markov(cfg.vocab_size, tc.markov_rank, jax.random.fold_in(key, 1))
+    return {"params": params, "opt_state": make_optimizer(tc).init(params)}
 
 
 def state_from_drafter(folder: Path, cfg: DFlashConfig, tc: DFlashTrainConfig, target: specjax.Model) -> dict:
-    """{"params", "opt_state"} starting from a saved drafter (e.g. to follow a retrained target)."""
-    saved = dflash.load_dflash(folder, target, jnp.float32)
+    """{"params", "opt_state"} starting from a saved drafter (e.g. to follow a retrained target);
+    its Markov head where it has one of tc.markov_rank, a fresh one where it has none."""
+    saved = dflash.load_dflash(folder, target, jnp.float32, markov=tc.markov_rank > 0)
     if saved.config != cfg:
         raise ValueError(f"{folder}: --init drafter differs from the one asked for: {saved.config} vs {cfg}")
     params = checkpoint.stack(saved.params, dflash.DRAFT_LAYERS)
+    if tc.markov_rank:
+        if dflash.MARKOV not in params:
+            params[dflash.MARKOV] = initial_state(cfg, tc)["params"][dflash.MARKOV]
+        elif params[dflash.MARKOV]["w1"].shape[1] != tc.markov_rank:
+            raise ValueError(f"{folder}: its Markov head has rank {params[dflash.MARKOV]['w1'].shape[1]}, "
+                             f"--markov-rank asks for {tc.markov_rank}")
     if jax.process_index() == 0:
         print(f"initialised from {folder}")
-    return {"params": params, "opt_state": lm.make_optimizer(tc).init(params)}
+    return {"params": params, "opt_state": make_optimizer(tc).init(params)}
 
 
 def sample_anchors(lengths: np.ndarray, starts: np.ndarray, n: int, rng: np.random.Generator
@@ -379,19 +428,22 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
               f"{len(data.tokens)} sequences of {data.tokens.shape[1]}; {tc.steps} steps of {tokens_per_step} "
               f"tokens; {compute} compute; {mesh.size} devices ({groups} data x {tp} tp) in "
               f"{jax.process_count()} process(es)")
-    window: list[tuple[float, float]] = []  # (loss, train tau) of the steps since the last log row
+    window: list[list[float]] = []  # (loss, train tau[, Markov loss, Markov tau]) of the steps since the last log row
+    names = ("train_loss", "train_tau") + (("markov_loss", "markov_tau") if tc.markov_rank else ())
 
     def advance(step: int) -> dict:
         nonlocal params, opt_state
         batch = global_put(batch_at(data, tc, step), by_row)
-        params, opt_state, loss, tau = train_step(params, opt_state, target_params, batch)
-        window.append((float(loss), float(tau)))
+        params, opt_state, sums = train_step(params, opt_state, target_params, batch)
+        sums = np.asarray(sums)
+        row = [float(x) for x in loss_and_tau(sums) + (markov_loss_and_tau(sums) if tc.markov_rank else ())]
+        window.append(row)
         if lead and ((step + 1) % tc.log_every == 0 or step + 1 == tc.steps):
-            loss_mean, tau_mean = np.mean(window, axis=0)
+            means = np.mean(window, axis=0)
             lm.append_metrics(run_dir, {"step": step + 1, "tokens": (step + 1) * tokens_per_step, "time": time.time(),
-                                        "train_loss": float(loss_mean), "train_tau": float(tau_mean)})
+                                        **{n: float(v) for n, v in zip(names, means)}})
             window.clear()
-        return {"loss": loss, "train_tau": tau}
+        return dict(zip(("loss", "train_tau", "markov_loss", "markov_tau"), row))
 
     def evaluate(step: int) -> None:
         if not (lead and eval_prompts):
