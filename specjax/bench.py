@@ -381,12 +381,13 @@ def _profiled_step() -> Callable:
     import jax
     import jax.numpy as jnp
     from . import qwen3
+    from . import sampling as smp
 
     @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
     def step(params: Any, cfg: Any, kv: Any, tokens: Any) -> tuple[Any, Any]:
         positions = kv.lengths[:1, None] + jnp.arange(tokens.shape[0])
         h, kv, _ = qwen3.hidden_states(params, cfg, tokens[None], positions, kv)
-        return jnp.argmax(qwen3.unembed(params, cfg, h[0]), axis=-1), kv
+        return smp.argmax(qwen3.unembed(params, cfg, h[0])), kv
 
     return step
 

@@ -83,7 +83,7 @@ def draft_token(logits: jax.Array, positions: jax.Array, seeds: jax.Array, rs: R
     """The draft model's token for each row [R] (its argmax, or where `sample` is set a
     draw from its transformed distribution, keyed by (seed, DRAFT stream, position)), and
     the draft log-probs [R, V] when drafts may be sampled."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = smp.argmax(logits)
     if not sample_drafts:
         return greedy, None
     keys = jax.vmap(lambda s, p: smp.position_key(s, smp.DRAFT, p))(seeds, positions)
@@ -375,7 +375,7 @@ def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: P
         return drafts, logq, fc, ranked
     rows = last.shape[0]
     ranked = block_tree(logits, head, tree_nodes) if tree_nodes else None
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = smp.argmax(logits)
     if head is not None:
         greedy = head[1][greedy]
     if not sample_drafts:
@@ -413,7 +413,7 @@ def markov_drafts(markov: Params, logits: jax.Array, last: jax.Array, start: jax
 
     def row(prev, j):
         biased = logits[:, j].astype(jnp.float32) + markov_bias({"w1": markov["w1"], "w2": w2}, prev)  # [R, N]
-        greedy = jnp.argmax(biased, axis=-1).astype(jnp.int32)
+        greedy = smp.argmax(biased)
         greedy = greedy if ids is None else ids[greedy]
         if not sample_drafts:
             return greedy, (greedy, biased)

@@ -287,7 +287,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 scratch = jax.lax.dynamic_update_slice(scratch, logits.astype(jnp.float32), (0, 0, 0))
                 own = jnp.zeros((rows, wm), jnp.int32)
             else:
-                own = _fit(jnp.argmax(logits, axis=-1).astype(jnp.int32), wm)
+                own = _fit(smp.argmax(logits), wm)
             if tapped is not None:  # padded to SPAN, so every width returns one shape
                 tapped = jnp.pad(tapped, ((0, 0), (0, 0), (0, SPAN - width), (0, 0)))
             return (_fit(tokens, wm), _fit(positions, wm), own, nan, tapped), (kv, scratch)

@@ -62,6 +62,19 @@ class Sampling:
         return self.temperature == 0.0
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (int32): the lowest index of the largest value, or of
+    the first NaN where a row has one.
+
+    As two plain reductions (the maximum, then the lowest index holding it): XLA:CPU runs
+    argmax's paired (value, index) reduction one element at a time, 0.31 ms for [8, 8192]
+    floats against 0.037 ms so (jitted alone, 300 calls), a tenth of a verify step of
+    width 8 on the shipped model."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == top) | jnp.isnan(x)  # a row with a NaN has top NaN: its first NaN, as jnp.argmax
+    return jnp.min(jnp.where(hit, jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]), axis=-1)
+
+
 def _tempered(logits: jax.Array, temperature: jax.Array) -> jax.Array:
     """Logits [N, V] divided by each row's temperature [N], shifted so each row's largest
     is 0 first: the same distribution, but a tiny temperature sends the others to -inf
@@ -85,7 +98,7 @@ def position_key(seed: jax.Array, stream: int, position: jax.Array) -> jax.Array
 
 def sample(logprobs: jax.Array, key: jax.Array) -> jax.Array:
     """One token from a [V] log-distribution by Gumbel-max (exact; -inf never chosen)."""
-    return jnp.argmax(logprobs + jax.random.gumbel(key, logprobs.shape, jnp.float32)).astype(jnp.int32)
+    return argmax(logprobs + jax.random.gumbel(key, logprobs.shape, jnp.float32))
 
 
 def target_tokens(logits: jax.Array, positions: jax.Array, seed: jax.Array, s: Sampling) -> jax.Array:
@@ -261,7 +274,7 @@ def support_rows(logits: jax.Array, rs: RowSampling) -> jax.Array:
     for idx, kept, fits in reversed(tiers):
         y = jnp.where(fits[:, None], jnp.full_like(x, -jnp.inf).at[jnp.arange(n)[:, None], idx].set(kept), y)
     y = jnp.where(full[:, None], sorted_rows, y)
-    greedy = jnp.where(jnp.arange(v) == jnp.argmax(logits, axis=-1)[:, None], 0.0, -jnp.inf)
+    greedy = jnp.where(jnp.arange(v) == argmax(logits)[:, None], 0.0, -jnp.inf)
     return jnp.where((rs.temperature > 0)[:, None], y, greedy)
 
 
@@ -284,7 +297,7 @@ def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Arra
     row, and so its token, depends only on its own logits, key and settings, never on the
     other rows."""
     n, v = logits.shape
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     temp = jnp.where(rs.temperature > 0, rs.temperature, 1.0)
     x = _tempered(logits, temp)
     top_k = jnp.where((rs.top_k > 0) & (rs.top_k < v), rs.top_k, 0)
@@ -293,7 +306,7 @@ def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Arra
     def draw(idx, kept):
         noise = jax.vmap(lambda key, ids: jax.vmap(
             lambda t: jax.random.gumbel(jax.random.fold_in(key, t), (), jnp.float32))(ids))(keys, idx)
-        pick = jnp.argmax(kept + noise, axis=-1)
+        pick = argmax(kept + noise)
         return jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
     tiers, full = _tiers(x, rs, top_k)
@@ -306,13 +319,13 @@ def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Arra
 
     def vocabulary(_):  # one draw of noise over V serves both whole-vocabulary paths
         noise = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
-        by_min_p = jnp.argmax(_min_p_rows(x, rs.min_p) + noise, axis=-1).astype(jnp.int32)
+        by_min_p = argmax(_min_p_rows(x, rs.min_p) + noise)
 
         def by_sort(_):
             desc = -jnp.sort(-x, axis=-1)
             kth_v = jnp.take_along_axis(desc, jnp.clip(top_k - 1, 0, v - 1)[:, None], axis=-1)
             y = jnp.where((top_k[:, None] > 0) & (x < kth_v), -jnp.inf, x)
-            return jnp.argmax(_top_p_min_p_rows(y, rs.top_p, rs.min_p) + noise, axis=-1).astype(jnp.int32)
+            return argmax(_top_p_min_p_rows(y, rs.top_p, rs.min_p) + noise)
 
         return by_min_p, jax.lax.cond(jnp.any(full), by_sort, lambda _: greedy, None)
 
@@ -326,7 +339,7 @@ def target_tokens_rows(logits: jax.Array, positions: jax.Array, seeds: jax.Array
     positions[i] with seeds[i] and setting i. `sampled` (static) is False when every row is
     greedy: then no noise is drawn at all."""
     if not sampled:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
     keys = jax.vmap(lambda s, p: position_key(s, TARGET, p))(seeds, positions)
     return sample_rows(logits, keys, rs)
 

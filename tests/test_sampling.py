@@ -204,3 +204,19 @@ def test_target_tokens_of_a_row_do_not_depend_on_the_other_rows(rng, s):
     together = np.asarray(f(jnp.asarray(logits), positions))
     alone = [int(f(jnp.asarray(logits[i:i + 1]), positions[i:i + 1])[0]) for i in range(5)]
     assert list(together) == alone
+
+
+def test_argmax_is_numpys_on_ties_nan_and_infinities(rng):
+    """smp.argmax against np.argmax (lowest index of the largest value; the first NaN where a
+    row has one): ties, a row of -inf, +inf, signed zeros, NaN; rows of 1 and of 8192."""
+    x = rng.integers(-3, 3, (64, 37)).astype(np.float32)  # many ties
+    x[1] = -np.inf
+    x[2, [5, 9]] = np.inf
+    x[3] = 0.0
+    x[3, ::2] = -0.0
+    x[4, [7, 20]] = np.nan
+    x[5, 0] = np.nan
+    wide = rng.normal(size=(3, 8192)).astype(np.float32)
+    wide[1, [100, 4000]] = wide[1].max() + 1  # a tie far apart
+    for a in (x, wide, x[:, :1], x[0]):
+        np.testing.assert_array_equal(np.asarray(jax.jit(smp.argmax)(jnp.asarray(a))), np.argmax(a, axis=-1))
