@@ -23,6 +23,7 @@ import numpy as np
 from . import llamacpp
 from .adaptive import Adaptive
 from .checkpoint import weight_bytes
+from .dflash import MARKOV
 from .loop import generate
 from .model import Model, load
 from .proposers import DraftProposer, NgramProposer
@@ -118,6 +119,9 @@ def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
         rows += [("dflash", k, DFlashProposer(drafter, k=k)) for k in ks]
         # the block's best tree (DDTree, `specjax.drafters.block_tree`)
         rows += shapes("dflash", ks[-1], lambda t: DFlashProposer(drafter, k=ks[-1], tree=t))
+        if MARKOV in drafter.params:  # the same drafter without its Markov head, at the largest k
+            unary = dataclasses.replace(drafter, params={n: w for n, w in drafter.params.items() if n != MARKOV})
+            rows.append(("dflash-unary", ks[-1], DFlashProposer(unary, k=ks[-1])))
         pool.append(DFlashProposer(drafter, k=ks[-1]))
     rows.append(("adaptive", 0, Adaptive(*pool)))
     return rows
@@ -306,23 +310,11 @@ def step_profile(model: Model, ts: tuple[int, ...], context: int = 512, rounds: 
     call, the cache donated), the model work of the engine's verify step for one row; the
     cache is filled with `rounds.prefill_chunk`, as the engine prefills."""
     import jax
-    import jax.numpy as jnp
-    from . import kv as kvlib
     from .engine import Engine
-    from .results import PREFILL_CHUNK
-    from .rounds import prefill_chunk
-    from .sampling import RowSampling
 
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.config.vocab_size, context).astype(np.int32)
-    cap = 1024 if context + 32 <= 1024 - 128 else 2 * (context + 160)
-    kv = kvlib.init(model.config, 1, cap, model.dtype)
-    for start in range(0, context, PREFILL_CHUNK):
-        part = np.zeros(PREFILL_CHUNK, np.int32)
-        part[:min(PREFILL_CHUNK, context - start)] = ids[start:start + PREFILL_CHUNK]
-        _, _, kv, _ = prefill_chunk(model.params, model.config, kv, jnp.asarray(part),
-                                    jnp.int32(min(PREFILL_CHUNK, context - start)), jnp.uint32(0),
-                                    RowSampling.of([Sampling()]), sampled=False)
+    kv, cap = _prefilled(model, ids)
     tokens = rng.integers(0, model.config.vocab_size, 16).astype(np.int32)
 
     def once(t: int) -> float:
@@ -370,6 +362,91 @@ def step_profile(model: Model, ts: tuple[int, ...], context: int = 512, rounds: 
             "ratio_to_T1": ratios, "weight_bytes": nbytes, "bandwidth_GBps": bw,
             "floor_ms": floor_s * 1e3, "decode_ms": t1 * 1e3, "decode_over_floor": over(base),
             "run_ms_per_token": run_s * 1e3, "run_over_floor": over(runs)}
+
+
+def _prefilled(model: Model, ids: np.ndarray) -> tuple[Any, int]:
+    """(a one-row cache holding `ids`, filled by `rounds.prefill_chunk` as the engine
+    prefills; its capacity)."""
+    import jax.numpy as jnp
+    from . import kv as kvlib
+    from .results import PREFILL_CHUNK
+    from .rounds import prefill_chunk
+    from .sampling import RowSampling
+
+    context = len(ids)
+    cap = 1024 if context + 32 <= 1024 - 128 else 2 * (context + 160)
+    kv = kvlib.init(model.config, 1, cap, model.dtype)
+    for start in range(0, context, PREFILL_CHUNK):
+        part = np.zeros(PREFILL_CHUNK, np.int32)
+        part[:min(PREFILL_CHUNK, context - start)] = ids[start:start + PREFILL_CHUNK]
+        _, _, kv, _ = prefill_chunk(model.params, model.config, kv, jnp.asarray(part),
+                                    jnp.int32(min(PREFILL_CHUNK, context - start)), jnp.uint32(0),
+                                    RowSampling.of([Sampling()]), sampled=False)
+    return kv, cap
+
+
+def block_profile(model: Model, drafter: Any, context: int = 512, behind: int = 3, rounds: int = 21
+                  ) -> dict[str, Any]:
+    """A DFlash drafter pass against a plain decode step of its target (one row, round-robin,
+    median of per-round ratios): the pass the engine's round runs (`drafters.block_drafts`,
+    greedy, its draft vocabulary and Markov head if it has them) after `behind` committed
+    tokens' context rows are caught up (a round that committed that many), next to the
+    one-token step `step_profile` times, both at the end of a `context`-token cache."""
+    import jax
+    import jax.numpy as jnp
+    from .drafters import DFlashCache, block_drafts, draft_head
+    from .kv import KVCache
+    from .sampling import RowSampling
+
+    f, cfg = drafter.config, model.config
+    rng = np.random.default_rng(0)
+    kv, cap = _prefilled(model, rng.integers(0, cfg.vocab_size, context).astype(np.int32))
+    page = kv.page_size
+    pages = cap // page + 1
+    fshape = (f.num_hidden_layers, f.num_key_value_heads, pages, page, f.head_dim)
+    table = jnp.arange(1, pages, dtype=jnp.int32)[None]
+    taps = jnp.asarray(rng.normal(size=(1, len(f.target_layer_ids), pages, page, cfg.hidden_size)), model.dtype)
+    fc = DFlashCache(KVCache(jnp.zeros(fshape, drafter.dtype), jnp.zeros(fshape, drafter.dtype), table,
+                             jnp.zeros(1, jnp.int32), page_size=page), taps, jnp.zeros(1, jnp.int32))
+    head = None if drafter.vocab is None else draft_head(model.params, cfg, drafter.vocab)
+    k = f.block_size - 1
+    start, last = jnp.array([context], jnp.int32), jnp.array([1], jnp.int32)
+
+    @functools.partial(jax.jit, donate_argnames=("fc",))
+    def draft(fc):
+        drafts, _, fc, _ = block_drafts(drafter.params, f, fc, model.params, cfg, last, start, k,
+                                        jnp.zeros(1, jnp.uint32), RowSampling.of([Sampling()]),
+                                        jnp.zeros(1, bool), False, head)
+        return drafts, fc
+
+    _, fc = draft(fc.replace(written=jnp.zeros(1, jnp.int32)))  # every context row written once
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, 1), jnp.int32)
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        return time.perf_counter() - t0
+
+    def one_pass():
+        nonlocal fc
+        out, fc = draft(fc.replace(written=jnp.array([context - behind], jnp.int32)))  # (fc is donated)
+        return out
+
+    def one_step():
+        nonlocal kv
+        out, kv = _profiled_step()(model.params, cfg, kv, tokens)
+        return out
+
+    for _ in range(2):  # compile and warm
+        timed(one_pass), timed(one_step)
+    passes, steps = [], []
+    for _ in range(rounds):
+        passes.append(timed(one_pass))
+        steps.append(timed(one_step))
+    return {"context": context, "k": k, "draft_vocab": None if drafter.vocab is None else len(drafter.vocab),
+            "markov": MARKOV in drafter.params, "pass_ms": _spread([x * 1e3 for x in passes]),
+            "decode_ms": _spread([x * 1e3 for x in steps]),
+            "pass_over_decode": statistics.median(a / b for a, b in zip(passes, steps))}
 
 
 @functools.cache
@@ -449,6 +526,10 @@ def _profiles(cfg: BenchConfig, target: Model, results: dict[str, Any], log: Cal
     results["profile"] = step_profile(target, cfg.profile_ts)
     log(f"step profile: {_against_floor(results['profile'])}; ratios "
         + ", ".join(f"T={t}: {r:.2f}" for t, r in results["profile"]["ratio_to_T1"].items()))
+    if cfg.dflash is not None:
+        from .dflash import load_dflash
+        results["block_profile"] = block_profile(target, load_dflash(cfg.dflash, target))
+        log(_block_line(results["block_profile"]))
     import jax
     on_cpu = jax.default_backend() == "cpu"
     if on_cpu and cfg.s_profile:  # the S config's decode against the floor, 16- and 32-bit weights
@@ -459,6 +540,13 @@ def _profiles(cfg: BenchConfig, target: Model, results: dict[str, Any], log: Cal
     if not on_cpu:  # absolute step times of a real-sized model against the floor
         results["gpu_profile"] = step_profile(random_model(QWEN3_4B_SHAPE, "bfloat16"), cfg.profile_ts, context=1024)
         log(f"Qwen3-4B shape, bf16: {_against_floor(results['gpu_profile'])}")
+
+
+def _block_line(p: dict[str, Any]) -> str:
+    vocab = "the whole vocabulary" if p["draft_vocab"] is None else f"a {p['draft_vocab']}-token draft vocabulary"
+    return (f"DFlash drafter pass (k = {p['k']}, {vocab}, {'with' if p['markov'] else 'no'} Markov head, "
+            f"context {p['context']}): {p['pass_ms']['median']:.2f} ms = {p['pass_over_decode']:.2f}x a decode "
+            f"step ({p['decode_ms']['median']:.2f} ms)")
 
 
 def _against_floor(p: dict[str, Any]) -> str:
@@ -577,7 +665,9 @@ def markdown(results: dict[str, Any]) -> str:
                          + ", ".join(f"T={t}: {r:.2f}" for t, r in p["ratio_to_T1"].items())
                          + f". Floor {p['floor_ms']:.2f} ms ({p['weight_bytes'] / 1e6:.0f} MB of weights at "
                          f"{p['bandwidth_GBps']:.1f} GB/s); {_against_floor(p)}.")
-    text = "\n".join(lines) + "\n" + tree_markdown(results)
+    if "block_profile" in results:
+        lines += ["", _block_line(results["block_profile"]) + "."]
+    text = "\n".join(lines) + "\n" + tree_markdown(results) + markov_markdown(results)
     return text + llamacpp.markdown(results) if "llamacpp" in results else text
 
 
@@ -606,6 +696,29 @@ def tree_markdown(results: dict[str, Any]) -> str:
             "tree: non-first branch taken", "tree: verified per token", "auto: steps on a tree"]
     return ("\nTrees against chains at the same verify width (a tree has at most as many nodes as the chain "
             "has drafts; \"auto\" drafts whichever shape has held deeper, per row and round):\n\n"
+            + "| " + " | ".join(head) + " |\n" + "|" + "---|" * len(head) + "\n" + "\n".join(lines) + "\n")
+
+
+def markov_markdown(results: dict[str, Any]) -> str:
+    """DFlash with its Markov head against the same drafter without it, per cell at the
+    largest k: tokens per step, speed over plain and acceptance by draft position ("" where
+    the drafter has no head)."""
+    lines = []
+    for c in results["cells"]:
+        k = c["best_k"].get("dflash-unary")
+        if k is None:
+            continue
+        cols = [c["workload"], c["sampling"], str(k)]
+        for key in (f"dflash:{k}", f"dflash-unary:{k}"):
+            r = c["rows"][key]
+            by_position = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"][:4])
+            cols.append(f"{r['tokens_per_step']:.2f} / {r['speedup']['median']:.2f}x / {by_position}")
+        lines.append("| " + " | ".join(cols) + " |")
+    if not lines:
+        return ""
+    head = ["workload", "sampling", "k", "with the Markov head: tok/step / speedup / acceptance by position 1-4",
+            "without it"]
+    return ("\nDFlash with and without its Markov head (the same drafter's layers):\n\n"
             + "| " + " | ".join(head) + " |\n" + "|" + "---|" * len(head) + "\n" + "\n".join(lines) + "\n")
 
 

@@ -135,6 +135,35 @@ def test_method_rows_fit_the_proposers(tmp_path):
         bench._methods(dataclasses.replace(cfg, trees=("ngram",)), target)
 
 
+def test_a_drafter_with_a_markov_head_gets_a_row_without_it_and_a_table(tmp_path):
+    """A drafter with a Markov head: a "dflash-unary" row at its largest k drafts with the
+    same layers and no head; the table reads both rows; the drafter pass is profiled."""
+    from specjax import dflash
+
+    target_dir = _random_model(tmp_path / "t", 32, 2, 1)
+    target = specjax.load(target_dir)
+    drafter = dflash.init(target.config, jax.random.key(0), num_layers=1, block_size=4)
+    head = dflash.init_markov(target.config.vocab_size, 4, jax.random.key(1))
+    dflash.save_dflash(dataclasses.replace(drafter, params={**drafter.params, dflash.MARKOV: head}), tmp_path / "d")
+    cfg = bench.BenchConfig(model=target_dir, dflash=tmp_path / "d", dflash_ks=(3,), ngram_ks=(3,), trees=())
+    rows = {(name, k): prop for name, k, prop in bench._methods(cfg, target)}
+    assert dflash.MARKOV in rows[("dflash", 3)].drafter.params
+    unary = rows[("dflash-unary", 3)].drafter
+    assert dflash.MARKOV not in unary.params and unary.params["fc.weight"] is rows[("dflash", 3)].drafter.params[
+        "fc.weight"]
+
+    def row(tps, speed, by_position):
+        return {"tokens_per_step": tps, "speedup": {"median": speed}, "acceptance_by_position": by_position}
+
+    cell = {"workload": "edit", "sampling": "greedy", "best_k": {"dflash": 3, "dflash-unary": 3},
+            "rows": {"dflash:3": row(2.5, 1.2, [0.9, 0.8, 0.7]), "dflash-unary:3": row(2.0, 1.0, [0.8, 0.5, 0.4])}}
+    table = bench.markov_markdown({"cells": [cell]})
+    assert "| edit | greedy | 3 | 2.50 / 1.20x / 0.90 0.80 0.70 | 2.00 / 1.00x / 0.80 0.50 0.40 |" in table
+    assert bench.markov_markdown({"cells": [{**cell, "best_k": {"dflash": 3}}]}) == ""
+    prof = bench.block_profile(target, specjax.load_dflash(tmp_path / "d", target), context=40, rounds=2)
+    assert prof["markov"] and prof["k"] == 3 and prof["pass_over_decode"] > 0 and prof["draft_vocab"] is None
+
+
 def test_tree_table_reads_the_rows_it_names():
     """The tree table's cells come from the chain, tree and auto rows of each proposer."""
     def row(tps, speed, **kw):
