@@ -209,26 +209,14 @@ def test_rows_that_may_not_take_dflash_drafts_never_get_them(deep, rng):
 def test_sampled_dflash_drafts_follow_the_target_distribution(tmp_path_factory, vocab):
     """Chi-square of tokens 2-3 (2 sampled DFlash drafts per step, batches of 12 rows, the
     whole vocabulary or half of it as draft vocabulary) against the exact target law."""
-    from test_speculative import assert_follows, sampled_draft_case
+    from test_speculative import engine_follows, sampled_draft_case
 
     target, _, s, ids, exact = sampled_draft_case(tmp_path_factory)
     drafter = dflash.init(target.config, jax.random.key(2), num_layers=1, block_size=4, std=0.3)
     drafter = dataclasses.replace(drafter, vocab=vocab)
     engine = Engine(target, Speculation(k=2, adaptive=False), dflash=drafter, sample_drafts=True, max_batch=12,
                     max_len=64)
-    counts = np.zeros_like(exact)
-    accepted = 0
-    calls = 200
-    for call in range(calls):
-        reqs = [engine.submit(ids, max_new_tokens=4, sampling=s, seed=call * 12 + j, stop_ids=(), lookup=False)
-                for j in range(12)]
-        engine.run()
-        for r in reqs:
-            counts[r.tokens[1], r.tokens[2]] += 1
-            accepted += r.stats.accepted
-    n = calls * 12
-    assert 0 < accepted < 2 * n  # both the accept and the residual paths ran
-    assert_follows(counts, exact)
+    engine_follows(engine, ids, s, exact)
 
 
 def test_bad_drafters_are_refused(tiny, deep):

@@ -137,6 +137,23 @@ def sampled_draft_case(tmp_path_factory):
     return target, draft, s, ids, _exact_pair_distribution(target, ids, s)
 
 
+def engine_follows(engine, ids, s: Sampling, exact: np.ndarray, calls: int = 200, rows: int = 12) -> None:
+    """`calls` engine runs of `rows` requests of `ids` (4 new tokens, seeds all different,
+    no prompt lookup): their tokens 2-3 follow `exact`, and drafts were both accepted and
+    rejected."""
+    counts = np.zeros_like(exact)
+    accepted = 0
+    for call in range(calls):
+        reqs = [engine.submit(ids, max_new_tokens=4, sampling=s, seed=call * rows + j, stop_ids=(), lookup=False)
+                for j in range(rows)]
+        engine.run()
+        for r in reqs:
+            counts[r.tokens[1], r.tokens[2]] += 1
+            accepted += r.stats.accepted
+    assert 0 < accepted < 2 * calls * rows  # both the accept and the residual paths ran
+    assert_follows(counts, exact)
+
+
 def assert_follows(counts: np.ndarray, exact: np.ndarray) -> None:
     """Counts of token pairs drawn from `exact`: nothing where it is 0, and chi-square
     (cells expecting under 5 pooled) p > 1e-3."""
