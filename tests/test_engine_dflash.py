@@ -108,6 +108,21 @@ def _some_vocab(rng, vocab_size: int, size: int) -> np.ndarray:
     return np.sort(rng.choice(vocab_size, size, replace=False)).astype(np.int32)
 
 
+def block_case(model, drafter, rng) -> tuple[DFlashCache, jax.Array, jax.Array]:
+    """(the drafter's state with 20 and 13 random context rows written for two rows, last
+    tokens [2], block starts [2]): a block pass to draft from."""
+    d, cfg = drafter.config, model.config
+    page = 16
+    shape = (d.num_hidden_layers, d.num_key_value_heads, 9, page, d.head_dim)
+    table = jnp.arange(1, 9, dtype=jnp.int32).reshape(2, 4)
+    fkv = KVCache(jnp.zeros(shape), jnp.zeros(shape), table, jnp.zeros(2, jnp.int32), page_size=page)
+    taps = jnp.asarray(rng.normal(size=(len(d.target_layer_ids), 2, 20, cfg.hidden_size)), jnp.float32)
+    fkv = write_context(drafter.params, d, fkv, taps, jnp.zeros(2, jnp.int32))
+    start = jnp.array([20, 13])
+    fc = DFlashCache(fkv, jnp.zeros((1, 1, 9, page, cfg.hidden_size)), start)  # context written up to start
+    return fc, jnp.array([4, 9]), start
+
+
 def test_draft_vocabulary_drafts_are_the_full_heads_argmax_within_it(tiny, rng):
     """Block drafts scored on a draft vocabulary's head rows: only its tokens, each the
     argmax of the full head's logits restricted to it (NumPy), greedy and sampled."""
@@ -116,17 +131,10 @@ def test_draft_vocabulary_drafts_are_the_full_heads_argmax_within_it(tiny, rng):
     drafter = dflash.init(cfg, jax.random.key(3), num_layers=1, block_size=8, target_layer_ids=(1,), std=0.3)
     d = drafter.config
     vocab = _some_vocab(rng, cfg.vocab_size, 30)
-    page = 16
-    shape = (d.num_hidden_layers, d.num_key_value_heads, 9, page, d.head_dim)
-    table = jnp.arange(1, 9, dtype=jnp.int32).reshape(2, 4)
-    fkv = KVCache(jnp.zeros(shape), jnp.zeros(shape), table, jnp.zeros(2, jnp.int32), page_size=page)
-    taps = jnp.asarray(rng.normal(size=(1, 2, 20, cfg.hidden_size)), jnp.float32)
-    fkv = write_context(drafter.params, d, fkv, taps, jnp.zeros(2, jnp.int32))
-    last, start = jnp.array([4, 9]), jnp.array([20, 13])
-    full, _ = block_logits(drafter.params, d, fkv, model.params, cfg, last, start, k=7)
+    fc, last, start = block_case(model, drafter, rng)
+    full, _ = block_logits(drafter.params, d, fc.kv, model.params, cfg, last, start, k=7)
     head = draft_head(model.params, cfg, vocab)
     rs = smp.RowSampling.of([Sampling(), Sampling(0.9, top_k=10)])
-    fc = DFlashCache(fkv, jnp.zeros((1, 1, 9, page, cfg.hidden_size)), start)  # context written up to start
     for sample in (False, True):
         drafts, logq, _, _ = block_drafts(drafter.params, d, fc, model.params, cfg, last, start, 7,
                                        jnp.array([1, 2], jnp.uint32), rs, jnp.array([False, sample]), sample, head)

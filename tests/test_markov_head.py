@@ -14,11 +14,11 @@ import pytest
 
 import specjax
 from conftest import repeating_prompt
+from test_engine_dflash import block_case
 from specjax import Sampling, dflash, qwen3, sampling as smp
 from specjax.dflash import MARKOV, MARKOV_FILE, DFlashError, load_dflash, save_dflash
-from specjax.drafters import DFlashCache, block_drafts, block_logits, draft_head, write_context
+from specjax.drafters import block_drafts, block_logits, draft_head
 from specjax.engine import Engine, Speculation
-from specjax.kv import KVCache
 from specjax.proposers import DFlashProposer
 
 SETTINGS = [Sampling(), Sampling(0.8, top_k=40, top_p=0.9), Sampling(), Sampling(1.1, min_p=0.05)]
@@ -44,17 +44,8 @@ def _block_case(tiny, rng, vocab_size: int | None):
     cfg = model.config
     drafter = _with_head(dflash.init(cfg, jax.random.key(3), num_layers=1, block_size=8, target_layer_ids=(1,),
                                      std=0.3), rank=6, seed=4, std=1.0)
-    d = drafter.config
     vocab = None if vocab_size is None else np.sort(rng.choice(cfg.vocab_size, vocab_size, replace=False))
-    page = 16
-    shape = (d.num_hidden_layers, d.num_key_value_heads, 9, page, d.head_dim)
-    table = jnp.arange(1, 9, dtype=jnp.int32).reshape(2, 4)
-    fkv = KVCache(jnp.zeros(shape), jnp.zeros(shape), table, jnp.zeros(2, jnp.int32), page_size=page)
-    taps = jnp.asarray(rng.normal(size=(1, 2, 20, cfg.hidden_size)), jnp.float32)
-    fkv = write_context(drafter.params, d, fkv, taps, jnp.zeros(2, jnp.int32))
-    start = jnp.array([20, 13])
-    fc = DFlashCache(fkv, jnp.zeros((1, 1, 9, page, cfg.hidden_size)), start)  # context written up to start
-    return model, drafter, fc, jnp.array([4, 9]), start, vocab
+    return (model, drafter, *block_case(model, drafter, rng), vocab)
 
 
 @pytest.mark.parametrize("vocab_size", [None, 30])
