@@ -380,18 +380,32 @@ def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: P
         greedy = head[1][greedy]
     if not sample_drafts:
         return greedy, None, fc, ranked
-    if head is not None:  # q over the whole vocabulary, for the acceptance rule
-        logits = jnp.full((rows, k, cfg.vocab_size), -jnp.inf, logits.dtype).at[:, :, head[1]].set(logits)
     positions = (start[:, None] + 1 + jnp.arange(k)).reshape(-1)
-    keys = jax.vmap(lambda s, p: smp.position_key(s, smp.DRAFT, p))(jnp.repeat(seeds, k), positions)
-    logq = smp.transform_rows(logits.reshape(rows * k, -1), rs.repeat(k))
-    if tree_nodes:  # two draws without replacement on the same noise: the first is smp.sample's draw
-        pair = jax.vmap(lambda lq, key: children_without_replacement(lq, key, 2))(logq, keys)
-        drawn = pair[:, 0].reshape(rows, k)
-        ranked = {**ranked, "second": pair[:, 1].reshape(rows, k)}
-    else:
-        drawn = jax.vmap(smp.sample)(logq, keys).reshape(rows, k)
-    return jnp.where(sample[:, None], drawn, greedy), logq.reshape(rows, k, -1), fc, ranked
+    logq = smp.transform_rows(_whole_vocabulary(logits, head, cfg.vocab_size).reshape(rows * k, -1), rs.repeat(k))
+    drawn, second = _draws(logq, jnp.repeat(seeds, k), positions, bool(tree_nodes))
+    if tree_nodes:
+        ranked = {**ranked, "second": second.reshape(rows, k)}
+    return jnp.where(sample[:, None], drawn.reshape(rows, k), greedy), logq.reshape(rows, k, -1), fc, ranked
+
+
+def _whole_vocabulary(logits: jax.Array, head: Head | None, vocab_size: int) -> jax.Array:
+    """Logits [..., N] over a draft vocabulary's tokens as [..., V] (-inf elsewhere): q over
+    the whole vocabulary, for the acceptance rule; as they are without one."""
+    if head is None:
+        return logits
+    return jnp.full((*logits.shape[:-1], vocab_size), -jnp.inf, logits.dtype).at[..., head[1]].set(logits)
+
+
+def _draws(logq: jax.Array, seeds: jax.Array, positions: jax.Array, pairs: bool
+           ) -> tuple[jax.Array, jax.Array | None]:
+    """Per row of logq [N, V] a draft token drawn with the (seed, DRAFT stream, position)
+    noise (`smp.sample`'s draw), and with `pairs` the second token of a draw without
+    replacement on the same noise, whose first is that token (else None)."""
+    keys = jax.vmap(lambda s, p: smp.position_key(s, smp.DRAFT, p))(seeds, positions)
+    if not pairs:
+        return jax.vmap(smp.sample)(logq, keys), None
+    pair = jax.vmap(lambda lq, key: children_without_replacement(lq, key, 2))(logq, keys)
+    return pair[:, 0], pair[:, 1]
 
 
 def markov_drafts(markov: Params, logits: jax.Array, last: jax.Array, start: jax.Array, seeds: jax.Array,
@@ -417,16 +431,10 @@ def markov_drafts(markov: Params, logits: jax.Array, last: jax.Array, start: jax
         greedy = greedy if ids is None else ids[greedy]
         if not sample_drafts:
             return greedy, (greedy, biased)
-        full = biased if ids is None else jnp.full((biased.shape[0], vocab_size), -jnp.inf).at[:, ids].set(biased)
-        logq = smp.transform_rows(full, rs)
-        keys = jax.vmap(lambda s, p: smp.position_key(s, smp.DRAFT, p))(seeds, start + 1 + j)
-        if pairs:  # two draws without replacement on the same noise: the first is smp.sample's draw
-            pair = jax.vmap(lambda lq, key: children_without_replacement(lq, key, 2))(logq, keys)
-            drawn, second = pair[:, 0], pair[:, 1]
-        else:
-            drawn, second = jax.vmap(smp.sample)(logq, keys), greedy
+        logq = smp.transform_rows(_whole_vocabulary(biased, head, vocab_size), rs)
+        drawn, second = _draws(logq, seeds, start + 1 + j, pairs)
         chosen = jnp.where(sample, drawn, greedy)
-        return chosen, (chosen, biased, logq, second)
+        return chosen, (chosen, biased, logq, greedy if second is None else second)
 
     _, out = jax.lax.scan(row, last.astype(jnp.int32), jnp.arange(logits.shape[1]))
     out = [x.swapaxes(0, 1) for x in out]  # rows first
