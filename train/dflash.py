@@ -236,10 +236,10 @@ def make_optimizer(tc: DFlashTrainConfig) -> optax.GradientTransformation:
 def make_train_step(cfg: DFlashConfig, target_cfg: Qwen3Config, tc: DFlashTrainConfig,
                     compute: np.dtype = np.dtype(np.float32)) -> Callable:
     """Jitted ``(params, opt_state, target_params, batch) -> (params, opt_state, sums)``
-    (`loss_sums`' of the whole batch: `loss_and_tau`, and with a Markov head
-    `markov_loss_and_tau`, read them)
     over a batch of ``tc.accum`` micro-batches (leaves [accum, batch, ...], :func:`batch_at`);
-    donates the drafter state; the target's params are only read.
+    `sums` are `loss_sums`' over the whole batch (read by `loss_and_tau`, and with a Markov
+    head by `markov_loss_and_tau`). Donates the drafter state; the target's params are only
+    read.
 
     The forward runs in `compute` (:func:`compute_dtype`): the float32 master params are
     cast to it inside the differentiated function, so their gradients, the accumulated sums
