@@ -1,5 +1,8 @@
 """Chunked prefill, decode and verify through the paged cache equal one full forward."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,17 +16,24 @@ def model(calm):
     return calm[1]
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward(params, cfg, tokens, positions, cache=None):
+    """qwen3.forward compiled, as the engine runs it (op by op, every shape of this file
+    compiled each primitive again)."""
+    return qwen3.forward(params, cfg, tokens, positions, cache)[:2]
+
+
 def _step(model, cache, tokens, n_valid=None):
     """Feed tokens at the cache's length; commit n_valid of them (default all)."""
     start = int(cache.lengths[0])
     pos = start + np.arange(len(tokens))
-    logits, cache, _ = qwen3.forward(model.params, model.config, jnp.asarray(tokens)[None], pos[None], cache)
+    logits, cache = _forward(model.params, model.config, jnp.asarray(tokens)[None], pos[None], cache)
     n = len(tokens) if n_valid is None else n_valid
     return np.asarray(logits[0]), cache.replace(lengths=cache.lengths + n)
 
 
 def _full(model, ids):
-    logits, _, _ = qwen3.forward(model.params, model.config, jnp.asarray(ids)[None], np.arange(len(ids))[None])
+    logits, _ = _forward(model.params, model.config, jnp.asarray(ids)[None], np.arange(len(ids))[None])
     return np.asarray(logits[0])
 
 
@@ -80,7 +90,7 @@ def test_shuffled_pages_two_rows_equal_dense(model, rng):
         for r, n in enumerate((n0, n1)):
             toks[r, :n] = seqs[r][starts[r]:starts[r] + n]
             pos[r] = starts[r] + np.arange(t)
-        logits, cache, _ = qwen3.forward(model.params, model.config, jnp.asarray(toks), jnp.asarray(pos), cache)
+        logits, cache = _forward(model.params, model.config, jnp.asarray(toks), jnp.asarray(pos), cache)
         for r, n in enumerate((n0, n1)):
             got[r].append(np.asarray(logits[r, :n]))
             starts[r] += n
