@@ -14,10 +14,10 @@ import pytest
 
 import specjax
 from conftest import repeating_prompt
-from test_engine_dflash import block_case
-from specjax import Sampling, dflash, qwen3, sampling as smp
+from test_engine_dflash import block_case, block_drafts, block_logits, hidden_states
+from specjax import Sampling, dflash, sampling as smp
 from specjax.dflash import MARKOV, MARKOV_FILE, DFlashError, load_dflash, save_dflash
-from specjax.drafters import block_drafts, block_logits, draft_head
+from specjax.drafters import draft_head
 from specjax.engine import Engine, Speculation
 from specjax.proposers import DFlashProposer
 
@@ -106,7 +106,7 @@ def test_training_forward_equals_inference_forward(tiny, rng):
     d = drafter.config
     n = 23
     context = rng.integers(0, cfg.vocab_size, n + 1).astype(np.int32)
-    _, _, taps = qwen3.hidden_states(model.params, cfg, context[None, :-1], np.arange(n)[None],
+    _, _, taps = hidden_states(model.params, cfg, context[None, :-1], np.arange(n)[None],
                                      taps=d.target_layer_ids)
     cache = dflash.append_context(drafter.params, d, dflash.init_cache(d, 64), taps[:, 0], n, np.arange(n))
     unary = dflash.draft_block(drafter.params, d, cache, model.params, cfg, context[-1], n, k=7)  # [7, V]
@@ -115,7 +115,7 @@ def test_training_forward_equals_inference_forward(tiny, rng):
                                          jnp.array([n]), jnp.array([0], jnp.uint32), rs, jnp.array([False]),
                                          False, cfg.vocab_size, None, False)
     tokens = np.concatenate([context, np.asarray(drafts[0])])  # the anchor's block is [context[-1], drafts]
-    _, _, taps = qwen3.hidden_states(model.params, cfg, tokens[None], np.arange(len(tokens))[None],
+    _, _, taps = hidden_states(model.params, cfg, tokens[None], np.arange(len(tokens))[None],
                                      taps=d.target_layer_ids)
     features = taps[:, 0].transpose(1, 0, 2).reshape(len(tokens), -1)
     anchors = jnp.array([n])
