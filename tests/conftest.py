@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -68,6 +69,20 @@ def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny")
     ref = hf_tiny(folder)
     return ref, folder, specjax.load(folder)
+
+
+def hidden_states(params, cfg, tokens, positions, kv=None, **kw):
+    """`qwen3.hidden_states` compiled, as the engine runs its steps: called op by op, each
+    new shape compiled every primitive again (most of some test files' time)."""
+    return _compiled_hidden_states()(params, cfg, tokens, positions, kv, **kw)
+
+
+@functools.cache
+def _compiled_hidden_states():
+    import jax
+    from specjax import qwen3
+
+    return jax.jit(qwen3.hidden_states, static_argnames=("cfg", "taps"))
 
 
 def assert_trees_equal(a, b) -> None:

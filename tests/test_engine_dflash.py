@@ -11,20 +11,18 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import Sampling, dflash, drafters, qwen3, sampling as smp
+from specjax import Sampling, dflash, drafters, sampling as smp
 from specjax.dflash import DFlashError, load_dflash, save_dflash
 from specjax.drafters import DFlashCache, draft_head
 from specjax.engine import Engine, Speculation
 from specjax.kv import KVCache
 from specjax.proposers import DFlashProposer, ProposerError
 from specjax.results import GenerationError
-from conftest import hf_tiny, repeating_prompt
+from conftest import hf_tiny, hidden_states, repeating_prompt
 
 SETTINGS = [Sampling(), Sampling(0.8, top_k=40, top_p=0.9), Sampling(), Sampling(1.1, min_p=0.05)]
 
-# the round's pieces compiled, as the engine runs them (op by op, every shape compiled
-# each primitive again)
-hidden_states = jax.jit(qwen3.hidden_states, static_argnames=("cfg", "taps"))
+# the round's pieces compiled, as the engine runs them (as `conftest.hidden_states`)
 stash = jax.jit(drafters.stash)
 catch_up = jax.jit(drafters.catch_up, static_argnames=("fcfg",))
 write_context = jax.jit(drafters.write_context, static_argnames=("fcfg",))
@@ -64,7 +62,7 @@ def test_paged_context_and_block_equal_the_single_sequence_drafter(tiny, rng):
     rows = [rng.integers(0, cfg.vocab_size, n + 1).astype(np.int32) for n in lengths]
     for b, ids in enumerate(rows):  # each row's committed tokens, stashed in chunks of 16
         _, _, taps = hidden_states(model.params, cfg, ids[None, :-1], np.arange(len(ids) - 1)[None],
-                                         taps=d.target_layer_ids)
+                                   taps=d.target_layer_ids)
         one = fc.replace(kv=fc.kv.replace(page_table=fc.kv.page_table[b:b + 1]))
         for at in range(0, lengths[b], 16):
             one = stash(one, taps[:, :, at:at + 16], jnp.array([at]))
@@ -75,8 +73,7 @@ def test_paged_context_and_block_equal_the_single_sequence_drafter(tiny, rng):
     got, _ = block_logits(drafter.params, d, fc.kv, model.params, cfg, last, jnp.array(lengths), k=15)
     for b, ids in enumerate(rows):
         n = lengths[b]
-        _, _, taps = hidden_states(model.params, cfg, ids[None, :-1], np.arange(n)[None],
-                                         taps=d.target_layer_ids)
+        _, _, taps = hidden_states(model.params, cfg, ids[None, :-1], np.arange(n)[None], taps=d.target_layer_ids)
         cache = dflash.append_context(drafter.params, d, dflash.init_cache(d, 256), taps[:, 0], n, np.arange(n))
         want = dflash.draft_block(drafter.params, d, cache, model.params, cfg, ids[-1], n, k=15)
         np.testing.assert_allclose(np.asarray(got[b]), np.asarray(want), atol=1e-4, rtol=1e-4)
@@ -103,7 +100,7 @@ def test_context_rows_after_rejected_drafts_are_those_of_the_committed_tokens(de
         assert not r.done and r.clen > len(r.prompt)
         ids = np.concatenate([r.prompt, r.tokens]).astype(np.int32)[:r.clen]
         _, _, taps = hidden_states(target.params, target.config, ids[None], np.arange(r.clen)[None],
-                                         taps=d.target_layer_ids)
+                                   taps=d.target_layer_ids)
         want = dflash.append_context(drafter.params, d, dflash.init_cache(d, 256), taps[:, 0], r.clen,
                                      np.arange(r.clen))
         slots = np.asarray(engine.table[r.slot])[:, None] * engine.page_size + np.arange(engine.page_size)

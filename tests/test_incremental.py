@@ -1,14 +1,12 @@
 """Chunked prefill, decode and verify through the paged cache equal one full forward."""
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from specjax import kv as kvlib
 from specjax import qwen3
+from conftest import hidden_states
 
 
 @pytest.fixture(scope="module")
@@ -16,11 +14,10 @@ def model(calm):
     return calm[1]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
 def _forward(params, cfg, tokens, positions, cache=None):
-    """qwen3.forward compiled, as the engine runs it (op by op, every shape of this file
-    compiled each primitive again)."""
-    return qwen3.forward(params, cfg, tokens, positions, cache)[:2]
+    """Logits [B, T, V] and the cache of one compiled step (`conftest.hidden_states`)."""
+    h, cache, _ = hidden_states(params, cfg, tokens, positions, cache)
+    return qwen3.unembed(params, cfg, h), cache
 
 
 def _step(model, cache, tokens, n_valid=None):

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import specjax
-from conftest import repeating_prompt
-from test_engine_dflash import block_case, block_drafts, block_logits, hidden_states
+from conftest import hidden_states, repeating_prompt
+from test_engine_dflash import block_case, block_drafts, block_logits
 from specjax import Sampling, dflash, sampling as smp
 from specjax.dflash import MARKOV, MARKOV_FILE, DFlashError, load_dflash, save_dflash
 from specjax.drafters import draft_head
@@ -106,8 +106,7 @@ def test_training_forward_equals_inference_forward(tiny, rng):
     d = drafter.config
     n = 23
     context = rng.integers(0, cfg.vocab_size, n + 1).astype(np.int32)
-    _, _, taps = hidden_states(model.params, cfg, context[None, :-1], np.arange(n)[None],
-                                     taps=d.target_layer_ids)
+    _, _, taps = hidden_states(model.params, cfg, context[None, :-1], np.arange(n)[None], taps=d.target_layer_ids)
     cache = dflash.append_context(drafter.params, d, dflash.init_cache(d, 64), taps[:, 0], n, np.arange(n))
     unary = dflash.draft_block(drafter.params, d, cache, model.params, cfg, context[-1], n, k=7)  # [7, V]
     rs = smp.RowSampling.of([Sampling()])
@@ -115,8 +114,7 @@ def test_training_forward_equals_inference_forward(tiny, rng):
                                          jnp.array([n]), jnp.array([0], jnp.uint32), rs, jnp.array([False]),
                                          False, cfg.vocab_size, None, False)
     tokens = np.concatenate([context, np.asarray(drafts[0])])  # the anchor's block is [context[-1], drafts]
-    _, _, taps = hidden_states(model.params, cfg, tokens[None], np.arange(len(tokens))[None],
-                                     taps=d.target_layer_ids)
+    _, _, taps = hidden_states(model.params, cfg, tokens[None], np.arange(len(tokens))[None], taps=d.target_layer_ids)
     features = taps[:, 0].transpose(1, 0, 2).reshape(len(tokens), -1)
     anchors = jnp.array([n])
     block = jnp.full((1, d.block_size), d.mask_token_id, jnp.int32).at[0, 0].set(int(context[-1]))

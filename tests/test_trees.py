@@ -4,15 +4,14 @@ over each node's own path, a fresh forward over the committed tokens)."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from specjax import cpu_kernels, drafters, kv as kvlib, lookup, trees
-from specjax.qwen3 import hidden_states, unembed
+from specjax.qwen3 import unembed
+from conftest import hidden_states
 
 
 def _random_parents(rng, w: int) -> np.ndarray:
@@ -169,31 +168,24 @@ def _prefilled(model, prompt: np.ndarray, capacity: int = 64):
     kv = kvlib.init(cfg, 1, capacity, page_size=8)
     kv = kv.replace(page_table=jnp.asarray(np.random.default_rng(0).permutation(kv.page_table.shape[1])[None],
                                            jnp.int32))
-    kv = _steps(model.params, cfg, kv, jnp.asarray(prompt[None]), jnp.arange(len(prompt))[None])[1]
+    _, kv, _ = hidden_states(model.params, cfg, jnp.asarray(prompt[None]), jnp.arange(len(prompt))[None], kv)
     return kv.replace(lengths=jnp.asarray([len(prompt)], jnp.int32))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _steps(params, cfg, kv, tokens, positions, sees=None, ancestors=None):
-    """Logits [B, T, V] of one compiled step over tokens at positions, and the cache (the
-    engine compiles its steps too: eager op-by-op dispatch made this file slow)."""
-    h, kv, _ = hidden_states(params, cfg, tokens, positions, kv, sees=sees, ancestors=ancestors)
-    return unembed(params, cfg, h), kv
 
 
 def _tree_step(model, kv, tokens: np.ndarray, parents: np.ndarray):
     """One tree step over nodes `tokens` (node 0 the root): logits [W, V] and the cache."""
     start = kv.lengths
     par = jnp.asarray(parents[None])
-    logits, kv = _steps(model.params, model.config, kv, jnp.asarray(tokens[None]), start[:, None] + trees.depths(par),
-                        sees=start[:, None] + jnp.arange(len(tokens)), ancestors=trees.ancestor_bits(par))
-    return np.asarray(logits)[0], kv
+    h, kv, _ = hidden_states(model.params, model.config, jnp.asarray(tokens[None]), start[:, None] + trees.depths(par),
+                             kv, sees=start[:, None] + jnp.arange(len(tokens)), ancestors=trees.ancestor_bits(par))
+    return np.asarray(unembed(model.params, model.config, h))[0], kv
 
 
 def _forward(model, ids: np.ndarray) -> np.ndarray:
     """Logits of a plain forward (cache-paged as the engine runs it) over ids: [len, V]."""
     kv = kvlib.init(model.config, 1, 64, page_size=8)
-    return np.asarray(_steps(model.params, model.config, kv, jnp.asarray(ids[None]), jnp.arange(len(ids))[None])[0])[0]
+    h, _, _ = hidden_states(model.params, model.config, jnp.asarray(ids[None]), jnp.arange(len(ids))[None], kv)
+    return np.asarray(unembed(model.params, model.config, h))[0]
 
 
 def test_each_node_sees_its_own_path_only(tiny, rng):
