@@ -26,9 +26,12 @@ KEEP_COMPILED_BYTES = 3 * 2 ** 30
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_code():
     """Free the compiled executables when a test file ends with the worker past 3 GiB:
-    JAX keeps every one it compiled (a worker grew to 6 GB over a full run). Below that
-    the next file on this worker reuses what earlier files compiled for the shared
-    models (the plain runs alone that most engine tests compare against)."""
+    JAX keeps every one it compiled (a worker grew to 6 GB over a full run), and XLA:CPU
+    maps each compiled kernel's code on its own (a large engine test file adds 10-15k
+    mappings): a worker that never freed them aborted inside a compile at
+    vm.max_map_count (65530). Below that the next file on this worker reuses what earlier
+    files compiled for the shared models (the plain runs alone that most engine tests
+    compare against)."""
     yield
     import jax
     import psutil
