@@ -176,8 +176,9 @@ def _tree_step(model, kv, tokens: np.ndarray, parents: np.ndarray):
     """One tree step over nodes `tokens` (node 0 the root): logits [W, V] and the cache."""
     start = kv.lengths
     par = jnp.asarray(parents[None])
-    h, kv, _ = hidden_states(model.params, model.config, jnp.asarray(tokens[None]), start[:, None] + trees.depths(par),
-                             kv, sees=start[:, None] + jnp.arange(len(tokens)), ancestors=trees.ancestor_bits(par))
+    depth = trees.depths(par)
+    h, kv, _ = hidden_states(model.params, model.config, jnp.asarray(tokens[None]), start[:, None] + depth, kv,
+                             sees=start[:, None] + jnp.arange(len(tokens)), ancestors=trees.ancestor_bits(par))
     return np.asarray(unembed(model.params, model.config, h))[0], kv
 
 
