@@ -74,7 +74,7 @@ def matmul_tflops(n: int, reps: int = 10) -> float:
 
 
 def _run(target: Model, prompts: list[list[int]], spec: Any, sampling: Sampling, n: int) -> dict[str, Any]:
-    """One generate call over `prompts` (one prompt: batch 1), timed."""
+    """One greedy or sampled generate call over `prompts` (one prompt: batch 1), timed."""
     from .loop import generate
     ids: Any = prompts if len(prompts) > 1 else prompts[0]
     t0 = time.perf_counter()
@@ -84,13 +84,14 @@ def _run(target: Model, prompts: list[list[int]], spec: Any, sampling: Sampling,
     outs = out if isinstance(out, list) else [out]
     # decoding: from the last row's first token (every prompt prefilled) to the end
     decode = wall - max(o.stats.prefill_s for o in outs)
-    return {"tokens": [o.tokens for o in outs], "wall_s": wall, "decode_s": decode,
+    return {"wall_s": wall, "decode_s": decode,
             "ms_per_step": 1e3 * decode / max(max(o.stats.steps for o in outs), 1),
             "tokens_per_step": statistics.mean(o.stats.tokens_per_step for o in outs),
             "new_tokens": sum(o.stats.new_tokens for o in outs)}
 
 
-def _methods(target: Model, draft: Model, drafter: Any) -> list[tuple[str, Any]]:
+def _methods(draft: Model, drafter: Any) -> list[tuple[str, Any]]:
+    """The proposer settings every exactness check runs."""
     from .adaptive import Adaptive
     from .proposers import DFlashProposer, DraftProposer, NgramProposer
     return [("lookup k=7", NgramProposer(k=7)),
@@ -148,7 +149,7 @@ def exactness(target: Model, draft: Model, drafter: Any, prompts: list[list[int]
         return rows
     plain = _engine_runs(target, None, prompts, n)
     half = len(prompts) // 2
-    for name, spec in _methods(target, draft, drafter):
+    for name, spec in _methods(draft, drafter):
         if clock.out(rows, name, log):
             continue
         r = _engine_runs(target, spec, prompts, n)
