@@ -295,18 +295,21 @@ def test_precision_auto_is_bfloat16_off_cpu():
 
 
 def test_init_starts_from_a_saved_drafter(cyclic, data, tmp_path):
-    """--init: a fresh run's step-0 weights are the saved drafter's (stacked for training);
-    a drafter of another shape is refused."""
+    """--init: a fresh run's step-0 weights are the saved drafter's (stacked for training),
+    at its block size or another (no weight depends on it); a drafter of another shape is
+    refused."""
     target, _ = cyclic
     cfg = _cfg(target)
     saved = dflash.Drafter(dflash.init_params(cfg, jax.random.key(5), std=0.2), cfg, jnp.float32)
     dflash.save_dflash(saved, tmp_path / "saved", dtype="float32")
     tc = trainer.DFlashTrainConfig(steps=2, batch=2, anchors=4, lr=0.0, save_every_minutes=0)  # lr 0: no move
-    out = trainer.train(target, cfg, tc, data, tmp_path / "run", init=tmp_path / "saved")
-    assert_trees_equal(out["params"], saved.params)
-    other = _cfg(target).__class__(**{**dataclasses.asdict(cfg), "block_size": 4})
+    for block, run in ((cfg.block_size, "run"), (4, "run4")):
+        asked = dataclasses.replace(cfg, block_size=block)
+        out = trainer.train(target, asked, tc, data, tmp_path / run, init=tmp_path / "saved")
+        assert_trees_equal(out["params"], saved.params)
+    deeper = dataclasses.replace(cfg, num_hidden_layers=3)
     with pytest.raises(ValueError, match="--init drafter differs"):
-        trainer.train(target, other, tc, data, tmp_path / "run2", init=tmp_path / "saved")
+        trainer.train(target, deeper, tc, data, tmp_path / "run2", init=tmp_path / "saved")
 
 
 def test_a_markov_head_trains_beside_a_drafter_left_as_it_would_be(cyclic, data, tmp_path):

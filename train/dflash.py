@@ -283,10 +283,11 @@ def initial_state(cfg: DFlashConfig, tc: DFlashTrainConfig) -> dict:
 
 
 def state_from_drafter(folder: Path, cfg: DFlashConfig, tc: DFlashTrainConfig, target: specjax.Model) -> dict:
-    """{"params", "opt_state"} starting from a saved drafter (e.g. to follow a retrained target);
-    its Markov head where it has one of tc.markov_rank, a fresh one where it has none."""
+    """{"params", "opt_state"} starting from a saved drafter (e.g. to follow a retrained target,
+    or at another block size); its Markov head where it has one of tc.markov_rank, a fresh one where it has none."""
     saved = dflash.load_dflash(folder, target, jnp.float32, markov=tc.markov_rank > 0)
-    if saved.config != cfg:
+    # no weight depends on the block size, so a drafter may continue at another one
+    if dataclasses.replace(saved.config, block_size=cfg.block_size) != cfg:
         raise ValueError(f"{folder}: --init drafter differs from the one asked for: {saved.config} vs {cfg}")
     params = checkpoint.stack(saved.params, dflash.DRAFT_LAYERS)
     if tc.markov_rank:
@@ -599,7 +600,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=2, help="drafter layers")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--target-layer-ids", type=_layer_ids, help="comma-separated taps (default: z-lab's spread)")
-    p.add_argument("--init", type=Path, help="start a fresh run from this drafter folder (same config)")
+    p.add_argument("--init", type=Path, help="start a fresh run from this drafter folder (same config; "
+                                                "the block size may differ)")
     p.add_argument("--eval-prompts", type=int, default=4,
                    help="corpus mode: held-out prompts per workload (edit, complete)")
     p.add_argument("--eval-prompt-len", type=int, default=300)
