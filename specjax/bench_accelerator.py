@@ -117,10 +117,10 @@ def _engine_runs(target: Model, spec: Any, prompts: list[list[int]], n: int) -> 
     alone on it (greedy, sampled), then the batch again, timed. The engine compiles a
     program per row count and greedy / sampled batch as the runs reach them; the alone
     runs and the timed batch reuse them."""
-    from .engine import Engine, engine_options
+    from .engine import Engine, engine_options, max_len_for
     options, per_request = engine_options(spec)
-    max_len = min(target.config.max_position_embeddings, -(-max(len(p) + n for p in prompts) // 256) * 256)
-    engine = Engine(target, **options, max_batch=len(prompts), max_len=max_len)
+    engine = Engine(target, **options, max_batch=len(prompts),
+                    max_len=max_len_for(target, max(len(p) + n for p in prompts)))
     half = len(prompts) // 2
     samplings = [Sampling()] * half + [SAMPLED] * (len(prompts) - half)
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .engine import Engine, Speculation
+from .engine import Engine, Speculation, max_len_for
 from .model import Model, load
 from .sampling import Sampling
 from .workloads import WORKLOADS, PromptError, workload
@@ -50,8 +50,7 @@ def _methods(cfg: ConcurrencyConfig) -> list[tuple[str, Speculation | None]]:
 
 def _engine_run(target: Model, spec: Speculation | None, prompts: list[list[int]], n: int, sampling: Sampling,
                 precompile: bool = True) -> dict[str, Any]:
-    max_len = min(target.config.max_position_embeddings, -(-max(len(p) + n for p in prompts) // 256) * 256)
-    engine = Engine(target, spec, max_batch=len(prompts), max_len=max_len)
+    engine = Engine(target, spec, max_batch=len(prompts), max_len=max_len_for(target, max(len(p) + n for p in prompts)))
     if precompile:  # every row count: requests finishing apart reach them all
         engine.compile((not sampling.greedy,))
     t0 = time.perf_counter()

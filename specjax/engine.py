@@ -672,13 +672,18 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], *, max_new_to
     stops = _per_prompt(stop_ids, n, "stop_ids", one_stop_list)
     options, per_request = engine_options(speculative)
     longest = max(len(p) + (m if isinstance(m, int) else 0) for p, m in zip(prompts, news))
-    cap = model.config.max_position_embeddings
-    max_len = max(2, min(-(-longest // 256) * 256, cap))  # longer than cap: submit names it
-    engine = Engine(model, **options, max_batch=min(n, max_batch), max_len=max_len)
+    engine = Engine(model, **options, max_batch=min(n, max_batch), max_len=max_len_for(model, longest))
     reqs = [engine.submit(p, max_new_tokens=m, sampling=s, seed=sd, stop_ids=st, **per_request)
             for p, m, s, sd, st in zip(prompts, news, settings, seeds, stops)]
     engine.run()
     return [r.result() for r in reqs]
+
+
+def max_len_for(model: Model, longest: int) -> int:
+    """An engine's max_len for sequences of up to `longest` tokens: rounded up to a multiple
+    of 256 (so nearby lengths share compiled programs), at most the model's context (a longer
+    request is then refused by `Engine.submit`, which names the limit)."""
+    return max(2, min(-(-longest // 256) * 256, model.config.max_position_embeddings))
 
 
 def _tree(parts: Sequence[Any]) -> int | str:
