@@ -115,14 +115,18 @@ def compact(k_pool: jax.Array, v_pool: jax.Array, page_table: jax.Array, page_si
 
 def arrange(ranked: dict, n: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The first n [R] of each row's ranked candidate nodes (`lookup.tree`: best first, so
-    every prefix of the ranking holds its nodes' ancestors) as a tree in breadth-first
-    order (`capacity`: entries of the rows' tries). Returns (drafts [R, N], parents
-    [R, N + 1] with the root first, main [R, N + 1]: nodes on the proposer's first
-    candidate continuation, and the nodes drafted [R])."""
+    every prefix of the ranking holds its nodes' ancestors) as a tree (`capacity`: entries
+    of the rows' tries): the proposer's first candidate continuation (its "main" nodes)
+    first, so that when the target takes it the path is already a plain prefix and
+    `compact` has nothing to move, then the other nodes in breadth-first order; either way
+    every parent comes before its children. Returns (drafts [R, N], parents [R, N + 1]
+    with the root first, main [R, N + 1]: the nodes of that first continuation, and the
+    nodes drafted [R])."""
     r, count = ranked["token"].shape
     rank = jnp.arange(count)
     keep = ranked["valid"] & (rank[None, :] < n[:, None])
-    order = jnp.argsort(jnp.where(keep, ranked["depth"] * count + rank, 2 * count * count + rank), axis=1)
+    ranks = jnp.broadcast_to(rank, (r, count))  # kept main nodes, then kept others, each by depth then rank
+    order = jnp.lexsort((ranks, ranked["depth"], ~ranked["main"], ~keep), axis=1)
     pick = lambda x: jnp.take_along_axis(x, order, axis=1)  # noqa: E731
     trie = ranked["trie"]  # each ranked node's index in its row's trie (the root is 0)
     kept = pick(keep)

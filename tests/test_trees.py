@@ -129,7 +129,8 @@ def _trie_reference(history: np.ndarray, size: int, k: int, max_ngram: int, min_
 def test_lookup_tree_is_the_trie_of_the_best_continuations(rng):
     """Histories with a few recurring phrases that continue differently; the first n nodes
     of the ranking, laid out, are the n best trie nodes (most continuations, then the better
-    occurrence, then shallower), as a breadth-first tree with distinct siblings."""
+    occurrence, then shallower), as a tree with distinct siblings: the first continuation as a chain,
+    then the other nodes breadth first."""
     k, max_ngram, n_nodes = 6, 3, 10
     for _ in range(30):
         phrases = [rng.integers(0, 5, int(rng.integers(2, 6))) for _ in range(3)]
@@ -153,8 +154,11 @@ def test_lookup_tree_is_the_trie_of_the_best_continuations(rng):
                 path = _path_to(parents, i)
                 got.add(tuple(int(tokens[j]) for j in path[1:]))
             assert got == want
-            depth = [len(_path_to(parents, i)) for i in range(1, got_n + 1)]
-            assert depth == sorted(depth)  # breadth first
+            on = np.asarray(main[0, 1:got_n + 1])  # the first continuation leads, as a plain chain
+            m = int(on.sum())
+            assert on[:m].all() and list(parents[1:m + 1]) == list(range(m))
+            depth = [len(_path_to(parents, i)) for i in range(m + 1, got_n + 1)]
+            assert depth == sorted(depth)  # the rest breadth first
             for i in range(1, got_n + 1):
                 siblings = [tokens[j] for j in range(1, got_n + 1) if parents[j] == parents[i]]
                 assert len(siblings) == len(set(siblings))
