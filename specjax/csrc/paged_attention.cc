@@ -142,12 +142,17 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
     // exp of every score through the same vector code (the tail padded with -inf, whose
     // weight is exactly 0), summed in eight lanes in list order.
     V8 sums{};
-    for (int64_t j = 0; j < c; j += 8) {
-      const int64_t w = c - j < 8 ? c - j : 8;
+    int64_t j = 0;
+    for (; j + 8 <= c; j += 8) {
+      const V8 e = Exp(Load(own + j) - m);
+      Store(own + j, e);
+      sums += e;
+    }
+    if (j < c) {
       V8 chunk = V8{} - INFINITY;
-      std::memcpy(&chunk, own + j, sizeof(float) * w);
+      std::memcpy(&chunk, own + j, sizeof(float) * (c - j));
       const V8 e = Exp(chunk - m);
-      std::memcpy(own + j, &e, sizeof(float) * w);
+      std::memcpy(own + j, &e, sizeof(float) * (c - j));
       sums += e;
     }
     const float sum = Lanes(sums);
