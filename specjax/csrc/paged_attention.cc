@@ -73,6 +73,17 @@ inline bool SeesPrefix(int32_t p, int64_t n, int64_t base, int32_t bits) {
   return (static_cast<uint32_t>(bits) & mask) == mask;
 }
 
+// Asks for the keys (or values) of slots [j0, j1) to be brought into cache, a line at a
+// time, so that the block after the one being computed streams in meanwhile: a row's slots
+// jump between pages, and a cache that the weights of every layer pass through holds none
+// of them.
+inline void Prefetch(const float* base, const int32_t* seen, int64_t j0, int64_t j1, int64_t E) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const char* at = reinterpret_cast<const char*>(base + static_cast<int64_t>(seen[j]) * E);
+    for (int64_t b = 0; b < E * static_cast<int64_t>(sizeof(float)); b += 64) __builtin_prefetch(at + b);
+  }
+}
+
 template <int NV>
 void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, const int32_t* bits, int64_t base,
           const float* kb, const float* vb, const int32_t* seen, int64_t n, int64_t R, int64_t G, float scale,
@@ -80,6 +91,8 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
   constexpr int64_t E = 8 * NV;
   for (int64_t j0 = 0; j0 < n; j0 += kSlotBlock) {
     const int64_t j1 = j0 + kSlotBlock < n ? j0 + kSlotBlock : n;
+    Prefetch(kb, seen, j1, j1 + kSlotBlock < n ? j1 + kSlotBlock : n, E);
+    Prefetch(vb, seen, j0, j1, E);  // for the value pass: the row's values fit in L2
     for (int64_t r = 0; r < R; ++r) {
       V8 qv[NV];
       for (int i = 0; i < NV; ++i) qv[i] = Load(q_at[r] + 8 * i);
@@ -170,6 +183,7 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
   }
   for (int64_t j0 = 0; j0 < n; j0 += kSlotBlock) {
     const int64_t j1 = j0 + kSlotBlock < n ? j0 + kSlotBlock : n;
+    Prefetch(vb, seen, j1, j1 + kSlotBlock < n ? j1 + kSlotBlock : n, E);
     for (int64_t r = 0; r < R; ++r) {
       const float* wrow = weights + r * n;
       V8 acc[NV];
