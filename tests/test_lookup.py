@@ -31,6 +31,18 @@ def test_find_equals_brute_force_lookup(rng):
             np.testing.assert_array_equal(np.asarray(drafts)[:int(n)], want)
 
 
+def test_top_k_ints_is_a_stable_descending_sort(rng):
+    """The k largest of each row with ties by the lower index: the first k of NumPy's
+    stable sort of -x, values and indices, for rows with many ties and negative values."""
+    top = jax.jit(lookup.top_k_ints, static_argnums=1)
+    for shape, k in [((7,), 7), ((40,), 4), ((3, 60), 15), ((2, 1152), 4)]:
+        x = rng.integers(-1, 5, shape).astype(np.int32)
+        values, indices = top(x, k)
+        order = np.argsort(-x, axis=-1, kind="stable")[..., :k]
+        np.testing.assert_array_equal(np.asarray(indices), order)
+        np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(x, order, axis=-1))
+
+
 @pytest.mark.parametrize("k", [2, 15])
 def test_greedy_and_sampled_equal_plain(cyclic_target, tiny, rng, k):
     prop = specjax.Adaptive(specjax.NgramProposer(k=k))  # prompt lookup, k chosen per step
