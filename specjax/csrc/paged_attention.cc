@@ -126,31 +126,33 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
     const float* row = scores + r * n;
     float* wrow = weights + r * n;
     const int32_t p = pos[r / G], b = bits[r / G];
-    const bool prefix = SeesPrefix(p, n, base, b);
-    int64_t c = 0;  // the scores of the positions this query sees
+    // Positions 0 .. end - 1 may be seen; the first `lead` of them all are (every one for a
+    // query that sees a prefix; for a tree node, every one before the window of bits), so
+    // only the window is tested position by position.
+    const int64_t end = p < 0 ? 0 : p + 1 < n ? p + 1 : n;
+    const int64_t lead = SeesPrefix(p, n, base, b) ? end : base < 0 ? 0 : base < end ? base : end;
     float m = -INFINITY;
-    if (prefix) {  // the same list and maximum, without a test per position
-      c = p < 0 ? 0 : p + 1 < n ? p + 1 : n;
+    {
       const V8 sc = Splat(scale);
       V8 mv = V8{} - INFINITY;
       int64_t j = 0;
-      for (; j + 8 <= c; j += 8) {
+      for (; j + 8 <= lead; j += 8) {
         const V8 x = Load(row + j) * sc;
         Store(own + j, x);
         mv = x > mv ? x : mv;
       }
       for (int i = 0; i < 8; ++i) m = mv[i] > m ? mv[i] : m;
-      for (; j < c; ++j) {
+      for (; j < lead; ++j) {
         own[j] = row[j] * scale;
         m = own[j] > m ? own[j] : m;
       }
-    } else {
-      for (int64_t j = 0; j < n; ++j) {
-        if (!Sees(j, p, base, b)) continue;
-        own[c] = row[j] * scale;
-        m = own[c] > m ? own[c] : m;
-        ++c;
-      }
+    }
+    int64_t c = lead;  // the scores of the positions this query sees
+    for (int64_t j = lead; j < end; ++j) {
+      if (!Sees(j, p, base, b)) continue;
+      own[c] = row[j] * scale;
+      m = own[c] > m ? own[c] : m;
+      ++c;
     }
     // exp of every score through the same vector code (the tail padded with -inf, whose
     // weight is exactly 0), summed in eight lanes in list order.
@@ -170,14 +172,12 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
     }
     const float sum = Lanes(sums);
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    if (prefix) {
+    {
       const V8 iv = Splat(inv);
       int64_t j = 0;
-      for (; j + 8 <= c; j += 8) Store(wrow + j, Load(own + j) * iv);
-      for (; j < c; ++j) wrow[j] = own[j] * inv;
-      for (; j < n; ++j) wrow[j] = 0.0f;
-    } else {
-      for (int64_t j = 0, k = 0; j < n; ++j) wrow[j] = Sees(j, p, base, b) ? own[k++] * inv : 0.0f;
+      for (; j + 8 <= lead; j += 8) Store(wrow + j, Load(own + j) * iv);
+      for (; j < lead; ++j) wrow[j] = own[j] * inv;
+      for (int64_t k = lead; j < n; ++j) wrow[j] = j < end && Sees(j, p, base, b) ? own[k++] * inv : 0.0f;
     }
     for (int i = 0; i < NV; ++i) accs[r * NV + i] = V8{};
   }
