@@ -63,8 +63,10 @@ class Speculation:
     DFlash when its block runs, a draft model when it grows its tree, whose greedy chain is
     the chain's) measures how far each would have been accepted, as far as the committed
     tokens decide, and a row's mean of each (decayed) picks the shape and scales the tokens
-    the chooser expects of that proposer's tree (`rounds.rounds`, "shapes"). Rows with
-    sampled model drafts take those chains."""
+    the chooser expects of that proposer's tree (`rounds.rounds`, "shapes"); where the
+    means are equal the chain is drafted (a tree round costs more: its trie or best-tree
+    search, the walk, the compaction), except for a draft model, whose tree is measured
+    only in rounds that grow it. Rows with sampled model drafts take those chains."""
 
     k: int = 15
     max_ngram: int = 3

@@ -68,7 +68,7 @@ SOURCES = ("lookup", "draft", "dflash")  # where a round's drafts came from (loo
 
 
 CHAIN, TREE = 0, 1  # the two shapes of a row's drafts, as the "shapes" state indexes them
-SHAPE_PRIOR = 1.0  # prior accepted depth of either shape, worth PSEUDO rounds: a tie, which drafts the tree
+SHAPE_PRIOR = 1.0  # prior accepted depth of either shape, worth PSEUDO rounds: a tie (`rounds` breaks it)
 
 
 def columns(max_ngram: int) -> int:
@@ -247,7 +247,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     no row takes the chain; its nodes sit at scratch slots of the draft cache, which
     keeps none of them), at most as many nodes as the chain would have drafts (and
     row_tree). row_auto [R] (with row_tree): rows whose shape the chooser picks each round,
-    per proposer: the tree where the depth its trees held is at least the chain's
+    per proposer: the tree where the depth its trees held is more than the chain's (for
+    the draft model, whose tree is measured only when grown: at least the chain's)
     (`_shape_means`), else the chain; rows with sampled model drafts take that proposer's
     chain (a sampled tree's depth is not decided by the committed tokens).
     Returns (log, nan flag, cache, draft cache, DFlash pools, state); log holds "tokens"
@@ -350,7 +351,10 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 if not there:
                     continue
                 j = SOURCES.index(name)
-                wins = means[:, j, TREE] >= means[:, j, CHAIN]
+                # a tie drafts the chain (a tree round costs more), except for the draft model, whose
+                # tree is measured only in rounds that grow it: a tie there (its prior) tries the tree
+                tree_mean, chain_mean = means[:, j, TREE], means[:, j, CHAIN]
+                wins = tree_mean >= chain_mean if name == "draft" else tree_mean > chain_mean
                 may = ~hosted if name == "lookup" else jnp.ones(rows, bool)
                 picked = wins if name == "lookup" else wins & ~drawn  # (a sampled tree's depth is never measured)
                 treeing[name] = budgeted & may & jnp.where(auto, picked, True)
