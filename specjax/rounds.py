@@ -358,7 +358,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 may = ~hosted if name == "lookup" else jnp.ones(rows, bool)
                 picked = wins if name == "lookup" else wins & ~drawn  # (a sampled tree's depth is never measured)
                 treeing[name] = budgeted & may & jnp.where(auto, picked, True)
-                gain = jnp.where(treeing[name], means[:, j, TREE] / means[:, j, CHAIN], 1.0)[:, None]
+                gain = jnp.where(treeing[name], tree_mean / chain_mean, 1.0)[:, None]
                 if name == "lookup":
                     e_l = 1.0 + (e_l - 1.0) * gain
                 else:
