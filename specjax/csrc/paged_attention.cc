@@ -183,7 +183,6 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
   }
   for (int64_t j0 = 0; j0 < n; j0 += kSlotBlock) {
     const int64_t j1 = j0 + kSlotBlock < n ? j0 + kSlotBlock : n;
-    Prefetch(vb, seen, j1, j1 + kSlotBlock < n ? j1 + kSlotBlock : n, E);
     for (int64_t r = 0; r < R; ++r) {
       const float* wrow = weights + r * n;
       V8 acc[NV];
