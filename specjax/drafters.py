@@ -39,7 +39,7 @@ from .qwen3 import head_weight, hidden_states, project, unembed
 from .sampling import RowSampling
 from .tree_accept import children_without_replacement
 
-CATCH_UP = (64, 16)  # context rows one catch-up step writes per row: while a row is far behind, then the rest
+CATCH_UP_FAR = (16, 64)  # a row more than 16 behind (after a prompt) catches up 64 context rows a step
 
 
 @struct.dataclass
@@ -59,10 +59,12 @@ def stash(fc: DFlashCache, taps: jax.Array, start: jax.Array) -> DFlashCache:
 
 
 def catch_up(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, upto: jax.Array) -> DFlashCache:
-    """Context rows for every row's stashed positions written .. upto - 1: CATCH_UP[0] at
-    a time while some row is more than CATCH_UP[1] behind (after a prompt), then
-    CATCH_UP[1] at a time (a round commits at most 16 tokens, so one such step follows a
-    round). A row already there rewrites positions past upto, which nothing reads yet."""
+    """Context rows for every row's stashed positions written .. upto - 1: 64 at a time
+    while some row is more than 16 behind (after a prompt; `CATCH_UP_FAR`), then a block's
+    worth (fcfg.block_size) at a time: a round that drafted with the drafter commits at
+    most that many tokens, so one such step follows it (a round of a wider lookup chain
+    takes two; a step's cost grows with its width). A row already there rewrites
+    positions past upto, which nothing reads yet."""
     _, n, _, _, d = fc.taps.shape
     flat = fc.taps[0].reshape(n, -1, d)  # [n, P * Z, D]
     slots = kvlib.row_slots(fc.kv.page_table, fc.kv.page_size)  # [R, N]
@@ -73,9 +75,9 @@ def catch_up(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, upto: jax.Arr
         kv = write_context(fparams, fcfg, fc.kv, taps, fc.written)
         return fc.replace(kv=kv, written=jnp.maximum(fc.written, jnp.minimum(upto, fc.written + width)))
 
-    wide, narrow = CATCH_UP
-    fc = jax.lax.while_loop(lambda fc: jnp.any(upto - fc.written > narrow), lambda fc: body(fc, wide), fc)
-    return jax.lax.while_loop(lambda fc: jnp.any(fc.written < upto), lambda fc: body(fc, narrow), fc)
+    far, wide = CATCH_UP_FAR
+    fc = jax.lax.while_loop(lambda fc: jnp.any(upto - fc.written > far), lambda fc: body(fc, wide), fc)
+    return jax.lax.while_loop(lambda fc: jnp.any(fc.written < upto), lambda fc: body(fc, fcfg.block_size), fc)
 
 
 def draft_token(logits: jax.Array, positions: jax.Array, seeds: jax.Array, rs: RowSampling, sample: jax.Array,
