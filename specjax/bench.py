@@ -64,6 +64,7 @@ class BenchConfig:
     llamacpp_ks: tuple[int, ...] = (2, 4, 7, 10, 15)
     gguf_cache: Path | None = None
     llamacpp_threads: int | None = None  # default: as many as specjax's kernels use (`llamacpp.threads`)
+    kv_dtype: str | None = None  # specjax's KV caches (`specjax.load`; None: the compute dtype)
 
     @classmethod
     def quick(cls, **kw) -> "BenchConfig":
@@ -174,7 +175,7 @@ def _llamacpp(cfg: BenchConfig, target: Model, log: Callable[[str], None]
     for t in cfg.gguf_types:
         tags[t] = "" if t == own else f"@{t}" if t in ("f32", "q8_0") else None
         if tags[t]:
-            model = load(cfg.model, "float32" if t == "f32" else "int8")
+            model = load(cfg.model, "float32" if t == "f32" else "int8", kv_dtype=cfg.kv_dtype)
             lookup = Adaptive(NgramProposer(k=max(cfg.ngram_ks)))  # as the `lookup` row
             rows += [(f"plain@{t}:0", functools.partial(_ours, model, None, **greedy)),
                      (f"lookup@{t}:0", functools.partial(_ours, model, lookup, **greedy))]
@@ -379,7 +380,7 @@ def _prefilled(model: Model, ids: np.ndarray) -> tuple[Any, int]:
 
     context = len(ids)
     cap = 1024 if context + 32 <= 1024 - 128 else 2 * (context + 160)
-    kv = kvlib.init(model.config, 1, cap, model.dtype)
+    kv = kvlib.init(model.config, 1, cap, model.cache_dtype)
     for start in range(0, context, PREFILL_CHUNK):
         part = np.zeros(PREFILL_CHUNK, np.int32)
         part[:min(PREFILL_CHUNK, context - start)] = ids[start:start + PREFILL_CHUNK]
@@ -477,7 +478,7 @@ def _profiled_step() -> Callable:
 
 def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the benchmark; returns (and writes) the results."""
-    target = load(cfg.model)
+    target = load(cfg.model, kv_dtype=cfg.kv_dtype)
     lc_rows, lc_tags, lc_info = _llamacpp(cfg, target, log) if cfg.llamacpp is not None else ([], {}, {})
     methods = _methods(cfg, target)
     hf = _hf_runner(cfg)

@@ -40,6 +40,7 @@ class ConcurrencyConfig:
     reps: int = 2
     hf: bool = True
     precompile: bool = True  # Engine.compile before each timed run (off: tests, where nothing is timed)
+    kv_dtype: str | None = None  # the target's KV cache (`specjax.load`; None: its compute dtype)
     out: Path = Path("bench-results")
 
 
@@ -109,7 +110,7 @@ def run(cfg: ConcurrencyConfig, log: Callable[[str], None] = print) -> dict[str,
     """Run the concurrency benchmark; returns (and writes) the results."""
     from .bench import _jsonable, _machine
 
-    target = load(cfg.model)
+    target = load(cfg.model, kv_dtype=cfg.kv_dtype)
     if target.tokenizer is None:
         raise PromptError(f"{cfg.model}: the benchmark's prompts are text; it needs a tokenizer")
     hf = _hf_runner(cfg)

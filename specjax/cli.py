@@ -82,6 +82,15 @@ def _add_speculation(p) -> None:
                            "the tree or the chain each round, whichever has held more")
 
 
+KV_DTYPES = ("float32", "bfloat16")
+
+
+def _add_kv_dtype(p) -> None:
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="what the KV cache holds (default: the compute dtype, float32 on CPU); bfloat16 halves "
+                        "its memory and what attention reads, rounding each key and value as it is stored")
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text, streaming it as it is produced")
     p.add_argument("--model", type=Path, default=None, help="HF Qwen3 folder (default: checkpoints/tiny-code)")
@@ -103,6 +112,7 @@ def _add_generate(sub) -> None:
     samp.add_argument("--min-p", type=float, default=None, help="0 = off")
     p.add_argument("--seed", type=int, default=0)
     _add_speculation(p)
+    _add_kv_dtype(p)
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the short warm-up generation that compiles the steps before the timed run")
     p.add_argument("--devices", type=_positive, default=1, metavar="N",
@@ -131,6 +141,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--trees", nargs="*", choices=TREE_PROPOSERS, default=None, metavar="PROPOSER",
                    help="proposers timed with draft trees and with --tree auto next to their chains (default: "
                         f"{' '.join(TREE_PROPOSERS)}; none: --trees alone)")
+    _add_kv_dtype(p)
     p.add_argument("--no-profile", action="store_true",
                    help="skip the step profiles after the cells (this model's and the S config's; minutes on CPU)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="JSON, markdown and PNG output folder")
@@ -164,6 +175,7 @@ def _add_serve(sub) -> None:
                    help="speculative rounds per device call (default 16); requests join between calls, so "
                         "fewer rounds shorten the time to first token at some cost in throughput")
     _add_speculation(p)
+    _add_kv_dtype(p)
     p.add_argument("--no-speculate", action="store_true",
                    help="plain decoding (default: what generate does: prompt lookup, and off CPU also the "
                         "model's shipped -draft / -dflash siblings)")
@@ -196,7 +208,8 @@ def _levels(text: str) -> tuple[int, ...]:
 def _bench_concurrency(args) -> int:
     from .bench_batch import ConcurrencyConfig, run
 
-    kw: dict = dict(model=args.model or default_model(), levels=args.concurrency, hf=not args.no_hf, out=args.out)
+    kw: dict = dict(model=args.model or default_model(), levels=args.concurrency, hf=not args.no_hf, out=args.out,
+                    kv_dtype=args.kv_dtype)
     for ours, theirs in (("reps", "reps"), ("new_tokens", "new_tokens"), ("prompt_tokens", "prompt_tokens")):
         if getattr(args, theirs) is not None:
             kw[ours] = getattr(args, theirs)
@@ -222,7 +235,7 @@ def _bench(args) -> int:
         return _bench_concurrency(args)
     model = args.model or default_model()
     kw = dict(model=model, draft=args.draft or _sibling(model, "draft"), dflash=args.dflash or _sibling(model, "dflash"),
-              hf=not args.no_hf, profile=not args.no_profile, out=args.out)
+              hf=not args.no_hf, profile=not args.no_profile, out=args.out, kv_dtype=args.kv_dtype)
     for name in ("prompts", "reps", "new_tokens", "prompt_tokens"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
@@ -424,7 +437,7 @@ def _generate(args) -> int:
         if args.devices > len(devices):
             raise UsageError(f"--devices {args.devices}: only {len(devices)} local device(s)")
         mesh = make_mesh(devices[:args.devices])
-    model = load(folder, mesh=mesh)
+    model = load(folder, mesh=mesh, kv_dtype=args.kv_dtype)
     sampling = _sampling(args, model)
     if args.batch:
         return _generate_batch(args, model, sampling)
@@ -463,7 +476,7 @@ def _serve(args) -> int:
     except OSError as e:
         raise UsageError(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})") from None
     with sock:
-        model = load(folder)
+        model = load(folder, kv_dtype=args.kv_dtype)
         if model.tokenizer is None:
             raise UsageError(f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json); serving needs "
                              "one")

@@ -51,8 +51,9 @@ from . import runtime
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_attention.cc", "matmul.cc", "kv_write.cc")
-TARGETS = {"specjax_paged_attention": "SpecjaxPagedAttention", "specjax_matmul": "SpecjaxMatmul",
-           "specjax_matmul_q8": "SpecjaxMatmulQ8", "specjax_kv_write": "SpecjaxKvWrite"}
+TARGETS = {"specjax_paged_attention": "SpecjaxPagedAttention", "specjax_paged_attention_bf16": "SpecjaxPagedAttentionBf16",
+           "specjax_matmul": "SpecjaxMatmul", "specjax_matmul_q8": "SpecjaxMatmulQ8",
+           "specjax_kv_write": "SpecjaxKvWrite", "specjax_kv_write_bf16": "SpecjaxKvWriteBf16"}
 # -ffp-contract=off: whether a multiply-add is fused was decided per template instance,
 # which made a row's result depend on how many rows shared the call.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -67,6 +68,8 @@ PANEL = 16
 PANEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Input columns per scale of an int8 weight (`quantize`; llama.cpp's q8_0 block).
 Q8_BLOCK = 32
+# What the attention and kv_write kernels keep a KV pool in (suffix of their FFI targets).
+POOL_DTYPES = {jnp.dtype(jnp.float32): "", jnp.dtype(jnp.bfloat16): "_bf16"}
 
 _state: dict[str, object] = {}
 
@@ -173,26 +176,28 @@ def applies(q: jax.Array, pool: jax.Array) -> bool:
     """Whether a step with queries q [B, T, H, E] over `pool` should use the attention kernel
     (it works row by row, so the limit is on one row's queries)."""
     rows = q.shape[1] * (q.shape[2] // pool.shape[1])
-    return rows <= MAX_ROWS and q.shape[3] in HEAD_DIMS and _on_cpu(q, pool)
+    return rows <= MAX_ROWS and q.shape[3] in HEAD_DIMS and pool.dtype in POOL_DTYPES and _on_cpu(q)
 
 
 def applies_write(new: jax.Array, pool: jax.Array) -> bool:
     """Whether new keys or values [B, T, K, E] should go into `pool` through `kv_write`."""
-    return _on_cpu(new, pool)
+    return pool.dtype in POOL_DTYPES and _on_cpu(new)
 
 
 def kv_write(k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
              page_table: jax.Array, start: jax.Array, fallback: Callable[..., jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Both pools [L, K, P, Z, E] with layer `layer`'s entries k, v [B, T, K, E] stored at
-    positions start[b] + t (through `page_table` [B, Pr]; past Pr * Z dropped), in place.
+    positions start[b] + t (through `page_table` [B, Pr]; past Pr * Z dropped), in place;
+    a bfloat16 pool stores each float32 rounded to nearest even (XLA's convert).
 
     `fallback(pool, layer, new, page_table, start)` (XLA ops, one pool) runs under `jax.vmap`."""
     _require()
 
     @jax.custom_batching.custom_vmap
     def call(*args):
-        out = (jax.ShapeDtypeStruct(k_pool.shape, jnp.float32), jax.ShapeDtypeStruct(v_pool.shape, jnp.float32))
-        return tuple(jax.ffi.ffi_call("specjax_kv_write", out, input_output_aliases={0: 0, 1: 1})(*args))
+        out = (jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype))
+        return tuple(jax.ffi.ffi_call("specjax_kv_write" + POOL_DTYPES[k_pool.dtype], out,
+                                      input_output_aliases={0: 0, 1: 1})(*args))
 
     @call.def_vmap
     def _(axis_size, in_batched, kp, vp, layer, k, v, table, start):
@@ -212,7 +217,8 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: j
     """Attention of q [B, T, H, E] over layer `layer` of the pools [L, K, P, Z, E]; slots
     [B, N] is the pool slot of each position of a row (`kv.row_slots`). Query t of row b
     sees the positions up to q_pos[b, t], except that of base[b] + j (j < 32) it sees only
-    those with bit j of bits[b, t] set (`qwen3.visible`): [B, T, H*E].
+    those with bit j of bits[b, t] set (`qwen3.visible`): [B, T, H*E]. The pools are float32
+    or bfloat16 (`POOL_DTYPES`), widened exactly in registers.
 
     `fallback` (same arguments and result, in XLA ops) runs under `jax.vmap` (one pool per
     mapped element, e.g. batched reply generation for drafter training)."""
@@ -221,7 +227,8 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: j
 
     @jax.custom_batching.custom_vmap
     def call(*args):
-        return jax.ffi.ffi_call("specjax_paged_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32))(*args)
+        return jax.ffi.ffi_call("specjax_paged_attention" + POOL_DTYPES[k_pool.dtype],
+                                jax.ShapeDtypeStruct(q.shape, jnp.float32))(*args)
 
     @call.def_vmap
     def _(axis_size, in_batched, *args):

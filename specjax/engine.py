@@ -234,13 +234,13 @@ class Engine:
         num_pages = max_batch * self.pages_per_row + 1 if num_pages is None else num_pages
         self.pages = PageAllocator(num_pages, page_size)
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, num_pages, page_size, cfg.head_dim)
-        self.k_pool = jnp.zeros(shape, model.dtype)
-        self.v_pool = jnp.zeros(shape, model.dtype)
+        self.k_pool = jnp.zeros(shape, model.cache_dtype)
+        self.v_pool = jnp.zeros(shape, model.cache_dtype)
         self.dk_pool = self.dv_pool = None
         if draft is not None:
             d = draft.config
             dshape = (d.num_hidden_layers, d.num_key_value_heads, num_pages, page_size, d.head_dim)
-            self.dk_pool, self.dv_pool = jnp.zeros(dshape, draft.dtype), jnp.zeros(dshape, draft.dtype)
+            self.dk_pool, self.dv_pool = jnp.zeros(dshape, draft.cache_dtype), jnp.zeros(dshape, draft.cache_dtype)
         self.fk_pool = self.fv_pool = self.ft_pool = None
         if dflash is not None:
             f = dflash.config

@@ -24,7 +24,8 @@ class Model:
 
     `generation_defaults`: the sampling of the folder's generation_config.json, which
     `generate` and the CLI use when the caller gives none (None: the folder has no such
-    file, and generation is greedy).
+    file, and generation is greedy). `kv_dtype`: what engines keep its keys and values in
+    (None: the compute dtype; `cache_dtype`).
     """
 
     config: Qwen3Config
@@ -33,11 +34,29 @@ class Model:
     tokenizer: Any = None
     path: Path | None = None
     generation_defaults: Sampling | None = None
+    kv_dtype: Any = None
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype is not None:
+            kind = jnp.dtype(self.kv_dtype)
+            if kind not in KV_DTYPES:
+                raise ValueError(f"kv_dtype {kind.name}: expected one of {', '.join(d.name for d in KV_DTYPES)}")
+            self.kv_dtype = kind
+
+    @property
+    def cache_dtype(self) -> Any:
+        """The dtype of this model's KV pools in an engine: `kv_dtype`, else the compute dtype."""
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
         """Stop ids from generation_config.json / config.json (empty if none)."""
         return self.config.eos_ids
+
+
+# What a KV cache may hold: on CPU the attention kernel reads float32 and bfloat16 pools
+# (widening bfloat16 exactly in registers); XLA's path reads any of them.
+KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def default_dtype() -> Any:
@@ -102,7 +121,8 @@ def reading(folder: Path, dtype: Any, default: Any, mesh: jax.sharding.Mesh | No
     return dtype, placer(mesh), False
 
 
-def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = None) -> Model:
+def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = None, kv_dtype: Any = None
+         ) -> Model:
     """Load a local Hugging Face Qwen3 folder (weights sharded or not, any float dtype),
     with its tokenizer and generation_config.json (eos ids, sampling defaults) when present.
 
@@ -113,6 +133,11 @@ def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = N
     which widens them at load. ``dtype="int8"`` computes in float32 over matrices quantized
     at load (`cpu_kernels.quantize`: a scale per 32 columns, llama.cpp's q8_0): a quarter
     of float32's bytes, and a different model.
+
+    `kv_dtype` is what an engine keeps the model's keys and values in (default: the compute
+    dtype). ``kv_dtype="bfloat16"`` on CPU halves the cache's memory and the bytes attention
+    reads; each key and value is rounded to bfloat16 as it is stored, so it too is a
+    different model (its greedy and sampled output still equal its own plain decoding's).
 
     With a `jax.sharding.Mesh`, each weight is placed tensor-parallel over it as it is read
     (`specjax.sharding`), so a model larger than one device's memory loads; the result is
@@ -125,7 +150,7 @@ def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = N
     cfg, defaults = _generation_config(folder, Qwen3Config.from_file(folder / "config.json"))
     dtype, transform, keep16 = reading(folder, dtype, default_dtype(), mesh)
     params = checkpoint.load_params(folder, cfg, dtype, transform, keep16)
-    return Model(cfg, params, dtype, _load_tokenizer(folder), folder, defaults)
+    return Model(cfg, params, dtype, _load_tokenizer(folder), folder, defaults, kv_dtype)
 
 
 def save(model: Model, path: str | Path, dtype: str = "bfloat16", max_shard_bytes: int | None = None) -> None:

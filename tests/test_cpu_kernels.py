@@ -96,8 +96,10 @@ def test_unseen_slots_do_not_matter(rng):
 def test_applies_only_where_it_can(monkeypatch):
     q = jnp.zeros((1, 1, 6, 64), jnp.float32)
     pool = jnp.zeros((2, 2, 4, 16, 64), jnp.float32)
-    assert cpu_kernels.applies(q, pool)
+    assert cpu_kernels.applies(q, pool) and cpu_kernels.applies(q, pool.astype(jnp.bfloat16))
+    assert cpu_kernels.applies_write(q, pool.astype(jnp.bfloat16))
     assert not cpu_kernels.applies(q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16))
+    assert not cpu_kernels.applies(q, pool.astype(jnp.float16)) and not cpu_kernels.applies_write(q, pool.astype(jnp.float16))
     assert not cpu_kernels.applies(jnp.zeros((1, 1, 6, 40)), jnp.zeros((2, 2, 4, 16, 40)))  # head_dim 40
     assert not cpu_kernels.applies(jnp.zeros((1, 64, 6, 64)), pool)  # a prefill chunk: XLA's GEMM
     monkeypatch.setattr(cpu_kernels, "_state", {})
@@ -337,6 +339,50 @@ def test_kv_write_stores_each_token_at_its_page_in_place(rng):
     np.testing.assert_array_equal(np.asarray(got_v), want_v)
     hlo = write.lower(want_k, want_v, jnp.int32(1), new_k, new_v, table, start).compile().as_text()
     assert "specjax_kv_write" in hlo and " copy(" not in hlo  # the pools are updated where they are
+
+
+@pytest.mark.parametrize("t,tree", [(1, False), (8, False), (7, True)])
+def test_bfloat16_pools_give_the_bits_of_their_values_in_float32(rng, t, tree):
+    """Pools kept in bfloat16 are widened exactly: the attention equals, bitwise, that over
+    float32 pools holding the same values (a chain step, and a tree step's ancestor bits),
+    and agrees with XLA's attention over the bfloat16 pools."""
+    k, v, _, slots = _case(rng, 64, 2, 3)
+    k16, v16 = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((2, t, 6, 64)) * 2, jnp.float32)
+    q_pos = jnp.asarray(np.array([[40], [70]]) + np.arange(t), jnp.int32)
+    base = bits = None
+    if tree:
+        base, bits = q_pos[:, 0], jnp.asarray(np.stack([_tree_bits(rng, t) for _ in range(2)]))
+    got = np.asarray(_kernel(q, k16, v16, jnp.int32(1), slots, q_pos, base, bits))
+    wide = np.asarray(_kernel(q, k16.astype(jnp.float32), v16.astype(jnp.float32), jnp.int32(1), slots, q_pos,
+                              base, bits))
+    np.testing.assert_array_equal(got, wide)
+    want = np.asarray(_xla(q, k16, v16, 1, slots, q_pos, base, bits)).reshape(got.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_kv_write_into_bfloat16_pools_rounds_to_nearest_even(rng):
+    """Keys and values stored into bfloat16 pools are ml_dtypes' rounding of each float32
+    (halfway cases to even, infinities, signed zeros, NaN kept a NaN), by the kernel and by
+    XLA's path (under vmap) alike."""
+    k, v, table, _ = _case(rng, 32, 2, 1, rows=2, pages=3, page=8, layers=2)
+    k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    new = rng.standard_normal((2, 6, 2, 32)).astype(np.float32)
+    bits = new.view(np.uint32)
+    bits[0, 0, 0, :8] = (bits[0, 0, 0, :8] & 0xFFFF0000) | 0x8000  # exactly halfway: to the even neighbour
+    bits[0, 0, 1, :4] = [0x7F800000, 0xFF800000, 0x80000000, 0x7F7FFFFF]  # inf, -inf, -0, largest float
+    bits[0, 0, 1, 4] = 0x7FC00001  # a NaN
+    start = np.asarray([5, 20], np.int32)
+    want = _numpy_write(np.asarray(k).astype(np.float32), 1, new.astype(jnp.bfloat16).astype(np.float32),
+                        np.asarray(table), start)
+    write = jax.jit(lambda kp, vp, *a: kvlib.write_layer(kp, vp, *a, page_size=8))
+    got_k, got_v = write(k, v, jnp.int32(1), new, -new, table, start)
+    assert got_k.dtype == jnp.bfloat16 and "specjax_kv_write_bf16" in write.lower(
+        k, v, jnp.int32(1), new, -new, table, start).compile().as_text()
+    np.testing.assert_array_equal(np.asarray(got_k).astype(np.float32), want)  # (NaN where want is NaN)
+    xla_k, _ = jax.vmap(lambda kp, vp, n: kvlib.write_layer(kp, vp, jnp.int32(1), n, n, table, start, page_size=8))(
+        k[None], v[None], new[None])
+    np.testing.assert_array_equal(np.asarray(xla_k[0]).astype(np.float32), want)
 
 
 def test_kv_write_under_vmap_takes_xla_path(rng):

@@ -1,5 +1,6 @@
 """The exactness contract of speculative decoding (README.md, first section): greedy and sampled."""
 
+import dataclasses
 import itertools
 
 import jax.numpy as jnp
@@ -71,6 +72,28 @@ def test_sampled_deterministic_proposers_equal_plain_sampled(cyclic_target, tiny
         spec = specjax.generate(model, ids, max_new_tokens=40, sampling=SAMPLED, seed=seed, speculative=prop)
         assert spec.tokens == plain.tokens
     assert spec.stats.accepted > 0
+
+
+def test_a_bfloat16_kv_cache_keeps_speculative_equal_to_plain(cyclic_target, tiny, small_draft, rng):
+    """kv_dtype="bfloat16" (keys and values rounded as stored, `test_cpu_kernels`): greedy
+    and sampled speculative output, chains and trees (whose accepted paths are compacted
+    through the bfloat16 pools), equal plain decoding with the same cache, alone and in a
+    batch; and the pools are bfloat16."""
+    for model, props in [(cyclic_target, [NgramProposer(k=4), NgramProposer(k=7, tree=6)]),
+                         (tiny[2], [DraftProposer(small_draft, k=3), DraftProposer(tiny[2], k=5, tree=4)])]:
+        model = dataclasses.replace(model, kv_dtype="bfloat16")
+        prompts = [repeating_prompt(rng, model.config.vocab_size) for _ in range(2)]
+        for sampling in (None, SAMPLED):
+            plain = [specjax.generate(model, ids, max_new_tokens=40, sampling=sampling, seed=7).tokens
+                     for ids in prompts]
+            for prop in props:
+                alone = specjax.generate(model, prompts[0], max_new_tokens=40, sampling=sampling, seed=7,
+                                         speculative=prop)
+                both = specjax.generate(model, prompts, max_new_tokens=40, sampling=sampling, seed=7, speculative=prop)
+                assert alone.tokens == plain[0] and [r.tokens for r in both] == plain
+    assert specjax.Engine(model, max_batch=1, max_len=64).k_pool.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="kv_dtype int8"):
+        dataclasses.replace(model, kv_dtype="int8")
 
 
 def _case_distributions(rng):

@@ -5,7 +5,8 @@
 // (docs/performance.md, fourth pass). Here each (row, kv head) streams the keys and values
 // of the slots it may see once, for all of its T*G queries.
 //
-// Shapes (letters of specjax/kv.py): q [B, T, H, E]; k, v [L, K, P, Z, E]; layer [];
+// Shapes (letters of specjax/kv.py): q [B, T, H, E]; k, v [L, K, P, Z, E] (float32, or
+// bfloat16 widened in registers: half the bytes a step reads from the pool); layer [];
 // slots [B, N] (the pool slot, page * Z + offset, holding position n of row b); q_pos
 // [B, T]; base [B]; bits [B, T]. Query t of row b sees positions n <= q_pos[b, t], except
 // that of the 32 positions base[b] + j it sees only those whose bit j of bits[b, t] is set
@@ -36,9 +37,11 @@ using specjax::Lanes;
 using specjax::Lanes4;
 using specjax::Load;
 using specjax::ParallelFor;
+using specjax::BF16;
 using specjax::Splat;
 using specjax::Store;
 using specjax::V8;
+using specjax::Widen;
 
 constexpr int64_t kSlotBlock = 32;  // slots whose keys (or values) stay in L1 for all queries
 
@@ -77,16 +80,18 @@ inline bool SeesPrefix(int32_t p, int64_t n, int64_t base, int32_t bits) {
 // time, so that the block after the one being computed streams in meanwhile: a row's slots
 // jump between pages, and a cache that the weights of every layer pass through holds none
 // of them.
-inline void Prefetch(const float* base, const int32_t* seen, int64_t j0, int64_t j1, int64_t E) {
+template <typename W>
+inline void Prefetch(const W* base, const int32_t* seen, int64_t j0, int64_t j1, int64_t E) {
   for (int64_t j = j0; j < j1; ++j) {
     const char* at = reinterpret_cast<const char*>(base + static_cast<int64_t>(seen[j]) * E);
-    for (int64_t b = 0; b < E * static_cast<int64_t>(sizeof(float)); b += 64) __builtin_prefetch(at + b);
+    for (int64_t b = 0; b < E * static_cast<int64_t>(sizeof(W)); b += 64) __builtin_prefetch(at + b);
   }
 }
 
-template <int NV>
+// W: the pools' element (float, or BF16 widened exactly to the float it stands for).
+template <typename W, int NV>
 void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, const int32_t* bits, int64_t base,
-          const float* kb, const float* vb, const int32_t* seen, int64_t n, int64_t R, int64_t G, float scale,
+          const W* kb, const W* vb, const int32_t* seen, int64_t n, int64_t R, int64_t G, float scale,
           float* scores, float* weights, float* own, V8* accs) {
   constexpr int64_t E = 8 * NV;
   for (int64_t j0 = 0; j0 < n; j0 += kSlotBlock) {
@@ -101,23 +106,23 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
       // latency-bound) and one horizontal reduction for the four.
       int64_t j = j0;
       for (; j + 4 <= j1; j += 4) {
-        const float* k0 = kb + static_cast<int64_t>(seen[j]) * E;
-        const float* k1 = kb + static_cast<int64_t>(seen[j + 1]) * E;
-        const float* k2 = kb + static_cast<int64_t>(seen[j + 2]) * E;
-        const float* k3 = kb + static_cast<int64_t>(seen[j + 3]) * E;
-        V8 a0 = qv[0] * Load(k0), a1 = qv[0] * Load(k1), a2 = qv[0] * Load(k2), a3 = qv[0] * Load(k3);
+        const W* k0 = kb + static_cast<int64_t>(seen[j]) * E;
+        const W* k1 = kb + static_cast<int64_t>(seen[j + 1]) * E;
+        const W* k2 = kb + static_cast<int64_t>(seen[j + 2]) * E;
+        const W* k3 = kb + static_cast<int64_t>(seen[j + 3]) * E;
+        V8 a0 = qv[0] * Widen(k0), a1 = qv[0] * Widen(k1), a2 = qv[0] * Widen(k2), a3 = qv[0] * Widen(k3);
         for (int i = 1; i < NV; ++i) {
-          a0 = Fma(qv[i], Load(k0 + 8 * i), a0);
-          a1 = Fma(qv[i], Load(k1 + 8 * i), a1);
-          a2 = Fma(qv[i], Load(k2 + 8 * i), a2);
-          a3 = Fma(qv[i], Load(k3 + 8 * i), a3);
+          a0 = Fma(qv[i], Widen(k0 + 8 * i), a0);
+          a1 = Fma(qv[i], Widen(k1 + 8 * i), a1);
+          a2 = Fma(qv[i], Widen(k2 + 8 * i), a2);
+          a3 = Fma(qv[i], Widen(k3 + 8 * i), a3);
         }
         Lanes4(a0, a1, a2, a3, row + j);
       }
       for (; j < j1; ++j) {
-        const float* key = kb + static_cast<int64_t>(seen[j]) * E;
-        V8 acc = qv[0] * Load(key);
-        for (int i = 1; i < NV; ++i) acc = Fma(qv[i], Load(key + 8 * i), acc);
+        const W* key = kb + static_cast<int64_t>(seen[j]) * E;
+        V8 acc = qv[0] * Widen(key);
+        for (int i = 1; i < NV; ++i) acc = Fma(qv[i], Widen(key + 8 * i), acc);
         row[j] = Lanes(acc);
       }
     }
@@ -188,9 +193,9 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
       V8 acc[NV];
       for (int i = 0; i < NV; ++i) acc[i] = accs[r * NV + i];
       for (int64_t j = j0; j < j1; ++j) {
-        const float* val = vb + static_cast<int64_t>(seen[j]) * E;
+        const W* val = vb + static_cast<int64_t>(seen[j]) * E;
         const V8 pv = Splat(wrow[j]);  // weights are >= +0, so the same bits as before
-        for (int i = 0; i < NV; ++i) acc[i] = Fma(pv, Load(val + 8 * i), acc[i]);
+        for (int i = 0; i < NV; ++i) acc[i] = Fma(pv, Widen(val + 8 * i), acc[i]);
       }
       for (int i = 0; i < NV; ++i) accs[r * NV + i] = acc[i];
     }
@@ -199,22 +204,37 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
     for (int i = 0; i < NV; ++i) Store(out_at[r] + 8 * i, accs[r * NV + i]);
 }
 
-using HeadFn = decltype(&Head<8>);
+template <typename W>
+using HeadFn = decltype(&Head<W, 8>);
 
-HeadFn HeadFor(int64_t e) {
+template <typename W>
+HeadFn<W> HeadFor(int64_t e) {
   switch (e) {
-    case 16: return &Head<2>;
-    case 24: return &Head<3>;
-    case 32: return &Head<4>;
-    case 48: return &Head<6>;
-    case 64: return &Head<8>;
-    case 96: return &Head<12>;
-    case 128: return &Head<16>;
+    case 16: return &Head<W, 2>;
+    case 24: return &Head<W, 3>;
+    case 32: return &Head<W, 4>;
+    case 48: return &Head<W, 6>;
+    case 64: return &Head<W, 8>;
+    case 96: return &Head<W, 12>;
+    case 128: return &Head<W, 16>;
     default: return nullptr;
   }
 }
 
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+// The pools' XLA element type and the kernel's element for it.
+template <ffi::DataType D>
+struct Pool;
+template <>
+struct Pool<ffi::F32> {
+  using W = float;
+};
+template <>
+struct Pool<ffi::BF16> {
+  using W = BF16;
+};
+
+template <ffi::DataType D>
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<D> k, ffi::Buffer<D> v,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
                               ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> base, ffi::Buffer<ffi::S32> bits,
                               ffi::ResultBuffer<ffi::F32> out) {
@@ -228,7 +248,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   if (kd[4] != E || H % K != 0 || slots.dimensions()[0] != B || q_pos.element_count() != B * T ||
       base.element_count() != B || bits.element_count() != B * T)
     return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
-  const HeadFn head = HeadFor(E);
+  using W = typename Pool<D>::W;
+  const HeadFn<W> head = HeadFor<W>(E);
   if (head == nullptr) return ffi::Error::InvalidArgument("paged_attention: unsupported head_dim");
   const int64_t G = H / K;
   const int32_t l = layer.typed_data()[0];
@@ -265,8 +286,10 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       q_at[r] = q.typed_data() + at;
       out_at[r] = out->typed_data() + at;
     }
-    head(q_at.data(), out_at.data(), pos + b * T, bits.typed_data() + b * T, base.typed_data()[b], k.typed_data() + (l * K + kh) * S * E,
-         v.typed_data() + (l * K + kh) * S * E, seen[b].data(), n, R, G, scale, scratch.data(),
+    const W* kw = reinterpret_cast<const W*>(k.untyped_data());
+    const W* vw = reinterpret_cast<const W*>(v.untyped_data());
+    head(q_at.data(), out_at.data(), pos + b * T, bits.typed_data() + b * T, base.typed_data()[b], kw + (l * K + kh) * S * E,
+         vw + (l * K + kh) * S * E, seen[b].data(), n, R, G, scale, scratch.data(),
          scratch.data() + R * n, scratch.data() + 2 * R * n, accs.data());
   });
   return ffi::Error::Success();
@@ -274,15 +297,19 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPagedAttention, PagedAttentionImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define SPECJAX_PAGED_ATTENTION(name, D)                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, PagedAttentionImpl<D>,  \
+                                ffi::Ffi::Bind()              \
+                                    .Ctx<ffi::ThreadPool>()   \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::Buffer<D>>()    \
+                                    .Arg<ffi::Buffer<D>>()    \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+SPECJAX_PAGED_ATTENTION(SpecjaxPagedAttention, ffi::F32)
+SPECJAX_PAGED_ATTENTION(SpecjaxPagedAttentionBf16, ffi::BF16)
