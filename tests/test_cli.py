@@ -27,6 +27,10 @@ def test_generate_streams_and_speculation_changes_nothing(folder, capsys):
         code, text, err = _run(capsys, *base, *flags)
         assert code == 0 and text == plain, flags
         assert "tokens/step" in err
+    # a bfloat16 KV cache: the same text with and without speculation (the API test checks its tokens)
+    code, bf16, _ = _run(capsys, *base, "--no-speculate", "--kv-dtype", "bfloat16")
+    code2, spec, _ = _run(capsys, *base, "--speculate", "3", "--kv-dtype", "bfloat16")
+    assert code == code2 == 0 and bf16 and spec == bf16
 
 
 def test_prompt_ids_for_a_folder_without_tokenizer(tmp_path, capsys, rng):
@@ -62,6 +66,7 @@ def test_prompt_ids_for_a_folder_without_tokenizer(tmp_path, capsys, rng):
     (["generate", "--prompt-ids", "1,99999"], "prompt token ids must be in"),
     (["generate", "--prompt", "x", "--seed", "-1"], "seed must be"),
     (["generate", "--prompt", ""], "--prompt: the prompt is empty"),
+    (["generate", "--prompt", "x", "--kv-dtype", "int8"], "--kv-dtype: invalid choice"),
 ])
 def test_bad_input_exits_2(argv, match, capsys, folder):
     if "--model" not in argv:
