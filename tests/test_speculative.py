@@ -75,22 +75,21 @@ def test_sampled_deterministic_proposers_equal_plain_sampled(cyclic_target, tiny
 
 
 def test_a_bfloat16_kv_cache_keeps_speculative_equal_to_plain(cyclic_target, tiny, small_draft, rng):
-    """kv_dtype="bfloat16" (keys and values rounded as stored, `test_cpu_kernels`): greedy
-    and sampled speculative output, chains and trees (whose accepted paths are compacted
-    through the bfloat16 pools), equal plain decoding with the same cache, alone and in a
-    batch; and the pools are bfloat16."""
-    for model, props in [(cyclic_target, [NgramProposer(k=4), NgramProposer(k=7, tree=6)]),
-                         (tiny[2], [DraftProposer(small_draft, k=3), DraftProposer(tiny[2], k=5, tree=4)])]:
+    """kv_dtype="bfloat16" (keys and values rounded as stored, `test_cpu_kernels`): a batch
+    of speculative rows equals each prompt's plain decoding with the same cache, greedy and
+    sampled, for lookup trees (whose accepted paths are compacted through the bfloat16
+    pools) and a draft model's drafts; and the pools are bfloat16."""
+    for model, prop, samplings in [(cyclic_target, NgramProposer(k=7, tree=6), (None, SAMPLED)),
+                                   (tiny[2], DraftProposer(small_draft, k=3), (SAMPLED,))]:
         model = dataclasses.replace(model, kv_dtype="bfloat16")
         prompts = [repeating_prompt(rng, model.config.vocab_size) for _ in range(2)]
-        for sampling in (None, SAMPLED):
-            plain = [specjax.generate(model, ids, max_new_tokens=40, sampling=sampling, seed=7).tokens
+        for sampling in samplings:
+            plain = [specjax.generate(model, ids, max_new_tokens=32, sampling=sampling, seed=7).tokens
                      for ids in prompts]
-            for prop in props:
-                alone = specjax.generate(model, prompts[0], max_new_tokens=40, sampling=sampling, seed=7,
-                                         speculative=prop)
-                both = specjax.generate(model, prompts, max_new_tokens=40, sampling=sampling, seed=7, speculative=prop)
-                assert alone.tokens == plain[0] and [r.tokens for r in both] == plain
+            both = specjax.generate(model, prompts, max_new_tokens=32, sampling=sampling, seed=7, speculative=prop)
+            assert [r.tokens for r in both] == plain
+            if sampling is None:
+                assert sum(r.stats.accepted for r in both) > 0
     assert specjax.Engine(model, max_batch=1, max_len=64).k_pool.dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="kv_dtype int8"):
         dataclasses.replace(model, kv_dtype="int8")
