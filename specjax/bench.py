@@ -661,7 +661,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"Speedups are medians of per-round ratios against our plain decoding; HF columns are "
                  f"transformers on the same checkpoint and prompts, also relative to our plain decoding. "
-                 f"{results['date']}, {m['cpus']} CPUs, {m['backend']}, jax {m['jax']}.")
+                 f"{results['date']}, {m['cpus']} CPUs, {m['backend']}, jax {m['jax']}"
+                 + (f"; KV cache {kv}." if (kv := results["config"].get("kv_dtype")) else "."))
     for key, name in (("profile", "this model (as loaded)"), *PROFILE_NAMES.items()):
         p = results.get(key)
         if p:

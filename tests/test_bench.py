@@ -34,7 +34,7 @@ def results(tmp_path_factory):
     draft = _random_model(root / "t-draft", 16, 1, 2)
     cfg = bench.BenchConfig.quick(model=target, draft=draft, new_tokens=12, prompt_tokens=160, ngram_ks=(3,),
                                   draft_ks=(2,), workloads=("edit",), samplings=("greedy",), profile_ts=(1, 2),
-                                  s_profile=False, trees=("lookup",), out=root / "out")
+                                  s_profile=False, trees=("lookup",), out=root / "out", kv_dtype="bfloat16")
     return cfg, bench.run(cfg, log=lambda s: None)
 
 
@@ -44,6 +44,7 @@ def test_outputs_written(results):
     assert {"date", "machine", "config", "cells", "profile"} <= set(data)
     table = (cfg.out / "results.md").read_text()
     assert "| edit | greedy |" in table and "| edit | greedy | lookup | chosen |" in table
+    assert "KV cache bfloat16." in table and data["config"]["kv_dtype"] == "bfloat16"
     for png in ("speedup_vs_k.png", "acceptance_by_position.png"):
         assert (cfg.out / png).stat().st_size > 1000
 
