@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -28,20 +29,9 @@ inline uint16_t Bf16(float x) {
 }
 
 inline void Put(float* to, const float* from, int64_t n) { std::memcpy(to, from, sizeof(float) * n); }
-inline void Put(uint16_t* to, const float* from, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) to[i] = Bf16(from[i]);
+inline void Put(specjax::BF16* to, const float* from, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) to[i].bits = Bf16(from[i]);
 }
-
-template <ffi::DataType D>
-struct Pool;
-template <>
-struct Pool<ffi::F32> {
-  using W = float;
-};
-template <>
-struct Pool<ffi::BF16> {
-  using W = uint16_t;
-};
 
 template <typename A, typename B>
 bool SameShape(const A& a, const B& b) {
@@ -56,7 +46,7 @@ ffi::Error KvWriteImpl(ffi::Buffer<D> k_pool, ffi::Buffer<D> v_pool, ffi::Buffer
                        ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> page_table,
                        ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<D> k_out,
                        ffi::ResultBuffer<D> v_out) {
-  using W = typename Pool<D>::W;
+  using W = typename specjax::PoolElement<D>::type;
   auto pd = k_pool.dimensions();
   auto nd = k.dimensions();
   auto td = page_table.dimensions();

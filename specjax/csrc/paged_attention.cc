@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "pool.h"
 #include "vec8.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -221,18 +222,6 @@ HeadFn<W> HeadFor(int64_t e) {
   }
 }
 
-// The pools' XLA element type and the kernel's element for it.
-template <ffi::DataType D>
-struct Pool;
-template <>
-struct Pool<ffi::F32> {
-  using W = float;
-};
-template <>
-struct Pool<ffi::BF16> {
-  using W = BF16;
-};
-
 template <ffi::DataType D>
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<D> k, ffi::Buffer<D> v,
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> slots,
@@ -248,7 +237,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   if (kd[4] != E || H % K != 0 || slots.dimensions()[0] != B || q_pos.element_count() != B * T ||
       base.element_count() != B || bits.element_count() != B * T)
     return ffi::Error::InvalidArgument("paged_attention: inconsistent shapes");
-  using W = typename Pool<D>::W;
+  using W = typename specjax::PoolElement<D>::type;
   const HeadFn<W> head = HeadFor<W>(E);
   if (head == nullptr) return ffi::Error::InvalidArgument("paged_attention: unsupported head_dim");
   const int64_t G = H / K;
