@@ -135,11 +135,12 @@ def test_int8_is_its_own_model_and_speculation_keeps_it(pair):
     rng = np.random.default_rng(6)
     base = rng.integers(0, m8.config.vocab_size, 7)
     prompt = np.concatenate([base, base, base[:3]]).tolist()
-    sampling = specjax.Sampling(temperature=0.8, top_k=20)
-    for s in (specjax.Sampling(), sampling):
+    settings = [specjax.Sampling(), specjax.Sampling(temperature=0.8, top_k=20)]  # one batch, a row each
+    spec = specjax.generate(m8, [prompt, prompt], max_new_tokens=24, sampling=settings, seed=2,
+                            num_speculative_tokens=4)
+    for s, got in zip(settings, spec):
         plain = specjax.generate(m8, prompt, max_new_tokens=24, sampling=s, seed=2).tokens
-        spec = specjax.generate(m8, prompt, max_new_tokens=24, sampling=s, seed=2, num_speculative_tokens=4)
-        assert spec.stats.drafted > 0 and spec.tokens == plain
+        assert got.stats.drafted > 0 and got.tokens == plain
 
 
 def test_int8_over_a_mesh_is_refused(tmp_path):
