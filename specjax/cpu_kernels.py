@@ -179,19 +179,23 @@ def applies(q: jax.Array, pool: jax.Array) -> bool:
     return rows <= MAX_ROWS and q.shape[3] in HEAD_DIMS and pool.dtype in POOL_DTYPES and _on_cpu(q)
 
 
-def applies_write(new: jax.Array, pool: jax.Array) -> bool:
-    """Whether new keys or values [B, T, K, E] should go into `pool` through `kv_write`."""
-    return pool.dtype in POOL_DTYPES and _on_cpu(new)
+def applies_write(pool: jax.Array) -> bool:
+    """Whether new keys and values (of any float dtype) should go into `pool` through
+    `kv_write`."""
+    return pool.dtype in POOL_DTYPES and runs()
 
 
 def kv_write(k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
              page_table: jax.Array, start: jax.Array, fallback: Callable[..., jax.Array]) -> tuple[jax.Array, jax.Array]:
     """Both pools [L, K, P, Z, E] with layer `layer`'s entries k, v [B, T, K, E] stored at
-    positions start[b] + t (through `page_table` [B, Pr]; past Pr * Z dropped), in place;
-    a bfloat16 pool stores each float32 rounded to nearest even (XLA's convert).
+    positions start[b] + t (through `page_table` [B, Pr]; past Pr * Z dropped), in place.
+    The entries are widened to float32 first (exact: 16-bit entries read back from a pool
+    by tree compaction, or a 16-bit model's); a bfloat16 pool stores each rounded to
+    nearest even (XLA's convert).
 
     `fallback(pool, layer, new, page_table, start)` (XLA ops, one pool) runs under `jax.vmap`."""
     _require()
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
 
     @jax.custom_batching.custom_vmap
     def call(*args):

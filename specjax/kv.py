@@ -76,8 +76,7 @@ def write_layer(k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array, k: jax.A
                 page_table: jax.Array, start: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
     """Both pools with one layer's new keys and values [B, T, K, E]: the in-place CPU kernel
     where it applies, else :func:`write` (the same stores)."""
-    if cpu_kernels.applies_write(k.astype(jnp.float32), k_pool):  # (entries read back from a pool: exact)
-        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+    if cpu_kernels.applies_write(k_pool):
         return cpu_kernels.kv_write(k_pool, v_pool, layer, k, v, page_table, start,
                                     partial(write, page_size=page_size))
     return (write(k_pool, layer, k, page_table, start, page_size),

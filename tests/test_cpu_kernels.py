@@ -97,14 +97,14 @@ def test_applies_only_where_it_can(monkeypatch):
     q = jnp.zeros((1, 1, 6, 64), jnp.float32)
     pool = jnp.zeros((2, 2, 4, 16, 64), jnp.float32)
     assert cpu_kernels.applies(q, pool) and cpu_kernels.applies(q, pool.astype(jnp.bfloat16))
-    assert cpu_kernels.applies_write(q, pool.astype(jnp.bfloat16))
+    assert cpu_kernels.applies_write(pool) and cpu_kernels.applies_write(pool.astype(jnp.bfloat16))
     assert not cpu_kernels.applies(q.astype(jnp.bfloat16), pool.astype(jnp.bfloat16))
-    assert not cpu_kernels.applies(q, pool.astype(jnp.float16)) and not cpu_kernels.applies_write(q, pool.astype(jnp.float16))
+    assert not cpu_kernels.applies(q, pool.astype(jnp.float16)) and not cpu_kernels.applies_write(pool.astype(jnp.float16))
     assert not cpu_kernels.applies(jnp.zeros((1, 1, 6, 40)), jnp.zeros((2, 2, 4, 16, 40)))  # head_dim 40
     assert not cpu_kernels.applies(jnp.zeros((1, 64, 6, 64)), pool)  # a prefill chunk: XLA's GEMM
     monkeypatch.setattr(cpu_kernels, "_state", {})
     monkeypatch.setenv("SPECJAX_CPU_KERNELS", "off")
-    assert not cpu_kernels.available() and not cpu_kernels.applies(q, pool)
+    assert not cpu_kernels.available() and not cpu_kernels.applies(q, pool) and not cpu_kernels.applies_write(pool)
     with pytest.raises(RuntimeError, match="SPECJAX_CPU_KERNELS=off"):
         _kernel(q, pool, pool, jnp.int32(0), jnp.zeros((1, 64), jnp.int32), jnp.zeros((1, 1), jnp.int32))
 
@@ -333,7 +333,7 @@ def test_kv_write_stores_each_token_at_its_page_in_place(rng):
     start = np.asarray([5, 20], np.int32)  # row 0 crosses a page; row 1 runs past its 24 slots
     want_k, want_v = (_numpy_write(p, 1, n, np.asarray(table), start) for p, n in ((k, new_k), (v, new_v)))
     write = jax.jit(lambda kp, vp, *a: kvlib.write_layer(kp, vp, *a, page_size=8), donate_argnums=(0, 1))
-    assert cpu_kernels.applies_write(jnp.asarray(new_k), k)
+    assert cpu_kernels.applies_write(k)
     got_k, got_v = write(k, v, jnp.int32(1), new_k, new_v, table, start)
     np.testing.assert_array_equal(np.asarray(got_k), want_k)
     np.testing.assert_array_equal(np.asarray(got_v), want_v)
@@ -383,6 +383,23 @@ def test_kv_write_into_bfloat16_pools_rounds_to_nearest_even(rng):
     xla_k, _ = jax.vmap(lambda kp, vp, n: kvlib.write_layer(kp, vp, jnp.int32(1), n, n, table, start, page_size=8))(
         k[None], v[None], new[None])
     np.testing.assert_array_equal(np.asarray(xla_k[0]).astype(np.float32), want)
+
+
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_kv_write_takes_bfloat16_entries_through_the_kernel(rng, pool_dtype):
+    """Entries that are already bfloat16 (read back from a bfloat16 pool by tree
+    compaction, or a bfloat16 model's) are stored by the kernel as their exact values."""
+    k, v, table, _ = _case(rng, 32, 2, 1, rows=2, pages=3, page=8, layers=2)
+    k, v = k.astype(pool_dtype), v.astype(pool_dtype)
+    new = jnp.asarray(rng.standard_normal((2, 6, 2, 32)), jnp.bfloat16)
+    start = np.asarray([5, 20], np.int32)
+    write = jax.jit(lambda kp, vp, *a: kvlib.write_layer(kp, vp, *a, page_size=8))
+    assert "specjax_kv_write" in write.lower(k, v, jnp.int32(1), new, new, table, start).compile().as_text()
+    got_k, got_v = write(k, v, jnp.int32(1), new, new, table, start)
+    want = _numpy_write(np.asarray(k).astype(np.float32), 1, np.asarray(new).astype(np.float32), np.asarray(table),
+                        start)
+    assert got_k.dtype == pool_dtype
+    np.testing.assert_array_equal(np.asarray(got_k).astype(np.float32), want)
 
 
 def test_kv_write_under_vmap_takes_xla_path(rng):
