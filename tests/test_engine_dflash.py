@@ -45,7 +45,7 @@ def deep(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shallow(tmp_path_factory):
     """(target, drafter) as `deep` with a 3-layer target, for engines whose k is fixed (no
-    cost model to satisfy): each compiled round holds a third of the layers."""
+    cost model to satisfy): each compiled round holds 3 layer copies per verify width, not 8."""
     folder = tmp_path_factory.mktemp("shallow")
     hf_tiny(folder, seed=5, init=0.1)
     target = specjax.load(folder)
