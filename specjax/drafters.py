@@ -15,7 +15,8 @@
   overwrite them; a pass at start s reads nothing at or past s that it did not write
   itself. Rounds that do not use the drafter cost it one copy of taps. A drafter with a
   Markov head then chooses the block's tokens left to right, each row's logits biased
-  by the token chosen at the row before (`markov_drafts`).
+  by the token chosen at the row before (`markov_drafts`), and a greedy row's tree gives
+  each node the children its own token makes likeliest (`markov_tree`).
 """
 
 from __future__ import annotations
@@ -312,9 +313,10 @@ def _tree_candidates(k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.array(second, bool), np.array(depth, np.int32), np.array(parent, np.int32)
 
 
-def tree_capacity(k: int) -> int:
-    """Candidate entries of a DFlash tree over k block rows (`block_tree`), the root first."""
-    return 1 + len(_tree_candidates(k)[1])
+def tree_capacity(k: int, nodes: int, markov: bool) -> int:
+    """Trie entries of a DFlash tree of `nodes` over k block rows, the root first: every
+    candidate `block_tree` ranks, or with a Markov head the nodes of `markov_tree`."""
+    return nodes + 1 if markov else 1 + len(_tree_candidates(k)[1])
 
 
 def block_tree(logits: jax.Array, head: Head | None, nodes: int) -> dict:
@@ -330,7 +332,7 @@ def block_tree(logits: jax.Array, head: Head | None, nodes: int) -> dict:
 
     logits [R, k, N] (N: the vocabulary, or a draft vocabulary whose ids `head` holds).
     Returns {"token", "parent" (candidate index), "trie", "depth", "main", "valid"} each
-    [R, nodes], over `tree_capacity(k)` candidates."""
+    [R, nodes], over `tree_capacity(k, nodes, False)` candidates."""
     k = logits.shape[1]
     second, depth, parent = _tree_candidates(k)
     x = logits.astype(jnp.float32)
@@ -351,6 +353,73 @@ def block_tree(logits: jax.Array, head: Head | None, nodes: int) -> dict:
             "valid": best > -jnp.inf}
 
 
+MARKOV_BRANCH = 3  # children a Markov-head DFlash tree considers per node
+
+
+def markov_tree(markov: Params, logits: jax.Array, last: jax.Array, head: Head | None, nodes: int) -> dict:
+    """A DFlash block's best `nodes` continuations through a Markov head, best first.
+
+    With the head a block row's logits depend on the token chosen at the row before
+    (`dflash.markov_bias`), so unlike `block_tree` the children of a node are the top
+    MARKOV_BRANCH tokens of the node's own row biased by the node's own token. DDTree's
+    best-first loop (Ringel and Romano 2026, arXiv:2604.12989) run for `nodes` steps: take
+    the open candidate with the highest summed log-softmax (ties: the earlier candidate),
+    make it the next node, and open its children. A child's score is at most its parent's
+    and it opens only after its parent is taken, so any first n of the nodes is a tree.
+    "main" marks the argmax chain: the drafts `markov_drafts` chooses for a greedy row.
+
+    logits [R, k, N]: `block_logits`' (unbiased; N: the vocabulary, or a draft
+    vocabulary whose ids `head` holds); last [R] the token before the block. Returns
+    {"token", "parent" (the parent's trie index, the root 0), "trie" (node i's: i + 1),
+    "depth", "main", "valid"} each [R, nodes], over `tree_capacity(k, nodes, True)` trie
+    entries."""
+    rows, k, _ = logits.shape
+    branch = min(MARKOV_BRANCH, logits.shape[-1])
+    slots = branch * (nodes + 1)  # the root's children, then branch per node
+    w2 = markov["w2"] if head is None else markov["w2"][head[1]]
+    rowwise = jnp.arange(rows)
+
+    def children(at: jax.Array, prev: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(log-softmax [R, branch], tokens [R, branch]) of block row `at` [R] after `prev` [R]."""
+        biased = logits[rowwise, at].astype(jnp.float32) + markov_bias({"w1": markov["w1"], "w2": w2}, prev)
+        top, idx = jax.lax.top_k(biased, branch)
+        tok = idx if head is None else head[1][idx]
+        return top - jax.nn.logsumexp(biased, axis=-1, keepdims=True), tok.astype(jnp.int32)
+
+    lp, tok = children(jnp.zeros(rows, jnp.int32), last.astype(jnp.int32))
+    lane = jnp.arange(branch)
+    open_ = {"score": jnp.full((rows, slots), -jnp.inf, jnp.float32).at[:, :branch].set(lp),
+             "token": jnp.zeros((rows, slots), jnp.int32).at[:, :branch].set(tok),
+             "parent": jnp.zeros((rows, slots), jnp.int32),
+             "depth": jnp.ones((rows, slots), jnp.int32),
+             "main": jnp.zeros((rows, slots), bool).at[:, 0].set(True)}
+    out = {"token": jnp.zeros((rows, nodes), jnp.int32), "parent": jnp.zeros((rows, nodes), jnp.int32),
+           "depth": jnp.ones((rows, nodes), jnp.int32), "main": jnp.zeros((rows, nodes), bool),
+           "valid": jnp.zeros((rows, nodes), bool)}
+
+    def step(i, c):
+        open_, out = c
+        best = jnp.argmax(open_["score"], axis=1)
+        got = {name: x[rowwise, best] for name, x in open_.items()}
+        valid = got["score"] > -jnp.inf
+        out = {**{name: out[name].at[:, i].set(got[name]) for name in ("token", "parent", "depth", "main")},
+               "valid": out["valid"].at[:, i].set(valid)}
+        lp, tok = children(jnp.minimum(got["depth"], k - 1), got["token"])
+        grows = valid & (got["depth"] < k)
+        new = {"score": jnp.where(grows[:, None], got["score"][:, None] + lp, -jnp.inf), "token": tok,
+               "parent": jnp.broadcast_to(i + 1, (rows, branch)).astype(jnp.int32),
+               "depth": jnp.broadcast_to(got["depth"][:, None] + 1, (rows, branch)),
+               "main": got["main"][:, None] & (lane == 0)[None, :]}
+        at = branch * (i + 1)
+        open_ = {name: jax.lax.dynamic_update_slice_in_dim(x.at[rowwise, best].set(-jnp.inf) if name == "score"
+                                                           else x, new[name].astype(x.dtype), at, axis=1)
+                 for name, x in open_.items()}
+        return open_, out
+
+    _, out = jax.lax.fori_loop(0, nodes, step, (open_, out))
+    return {**out, "trie": jnp.broadcast_to(jnp.arange(1, nodes + 1, dtype=jnp.int32), (rows, nodes))}
+
+
 def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: Params, cfg: Qwen3Config,
                  last: jax.Array, start: jax.Array, k: int, seeds: jax.Array, rs: RowSampling, sample: jax.Array,
                  sample_drafts: bool, head: Head | None = None, tree_nodes: int = 0
@@ -364,14 +433,14 @@ def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: P
     same DRAFT-stream noise, whose first token is that row's sampled draft (-1 where q has
     one token only): a sampled tree's second children (`sampled_tree`). With a draft
     vocabulary's `head`, q is zero outside it. With a Markov head (fparams[MARKOV]) the
-    drafts, q and the tree's logits are `markov_drafts`'."""
+    drafts and q are `markov_drafts`' and the tree `markov_tree`'s."""
     fc = catch_up(fparams, fcfg, fc, start)
     logits, fkv = block_logits(fparams, fcfg, fc.kv, params, cfg, last, start, k, head)
     fc = fc.replace(kv=fkv)
     if MARKOV in fparams:
-        drafts, logq, second, logits = markov_drafts(fparams[MARKOV], logits, last, start, seeds, rs, sample,
-                                                     sample_drafts, cfg.vocab_size, head, bool(tree_nodes))
-        ranked = block_tree(logits, head, tree_nodes) if tree_nodes else None
+        drafts, logq, second = markov_drafts(fparams[MARKOV], logits, last, start, seeds, rs, sample,
+                                             sample_drafts, cfg.vocab_size, head, bool(tree_nodes))
+        ranked = markov_tree(fparams[MARKOV], logits, last, head, tree_nodes) if tree_nodes else None
         if ranked is not None and second is not None:
             ranked = {**ranked, "second": second}
         return drafts, logq, fc, ranked
@@ -412,7 +481,7 @@ def _draws(logq: jax.Array, seeds: jax.Array, positions: jax.Array, pairs: bool
 
 def markov_drafts(markov: Params, logits: jax.Array, last: jax.Array, start: jax.Array, seeds: jax.Array,
                   rs: RowSampling, sample: jax.Array, sample_drafts: bool, vocab_size: int, head: Head | None,
-                  pairs: bool) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array]:
+                  pairs: bool) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """A block's drafts chosen left to right through a Markov head (`dflash.markov_bias`):
     block row j's logits [R, N] (`block_logits`') plus the head's bias from the token
     chosen at row j - 1 (`last` for row 0); then its argmax, or where `sample` is set a
@@ -421,9 +490,8 @@ def markov_drafts(markov: Params, logits: jax.Array, last: jax.Array, start: jax
     sees the distribution that produced each draft.
 
     Returns (drafts [R, k], logq [R, k, V] when sample_drafts else None, with `pairs` and
-    sample_drafts the second token of each row's draw without replacement [R, k] else None,
-    the biased logits [R, k, N]: a greedy row's along its own argmax chain, from which its
-    DFlash tree is ranked as the block's logits are)."""
+    sample_drafts the second token of each row's draw without replacement [R, k] else
+    None)."""
     w2 = markov["w2"] if head is None else markov["w2"][head[1]]  # [N, r], once for every row
     ids = None if head is None else head[1]
 
@@ -432,17 +500,17 @@ def markov_drafts(markov: Params, logits: jax.Array, last: jax.Array, start: jax
         greedy = smp.argmax(biased)
         greedy = greedy if ids is None else ids[greedy]
         if not sample_drafts:
-            return greedy, (greedy, biased)
+            return greedy, (greedy,)
         logq = smp.transform_rows(_whole_vocabulary(biased, head, vocab_size), rs)
         drawn, second = _draws(logq, seeds, start + 1 + j, pairs)
         chosen = jnp.where(sample, drawn, greedy)
-        return chosen, (chosen, biased, logq, greedy if second is None else second)
+        return chosen, (chosen, logq, greedy if second is None else second)
 
     _, out = jax.lax.scan(row, last.astype(jnp.int32), jnp.arange(logits.shape[1]))
     out = [x.swapaxes(0, 1) for x in out]  # rows first
     if not sample_drafts:
-        return out[0], None, None, out[1]
-    return out[0], out[2], out[3] if pairs else None, out[1]
+        return out[0], None, None
+    return out[0], out[1], out[2] if pairs else None
 
 
 def sampled_tree_shape(nodes: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -50,7 +50,7 @@ class Speculation:
     adaptive=False drafts every match in full instead of choosing (fixed k). tree > 0:
     prompt lookup drafts a tree of up to that many nodes (`lookup.tree`: where earlier
     matches continue differently it branches) in place of a chain, and so does a DFlash
-    drafter: the block's best tree (`drafters.block_tree`) for deterministic drafts, and
+    drafter: the block's best tree (`drafters.block_tree`, `drafters.markov_tree`) for deterministic drafts, and
     for sampled ones a tree of fixed shape, the chain plus second children drawn without
     replacement (`drafters.sampled_tree`, verified by `tree_accept.accept_tree_rows`);
     and so does a draft model for greedy drafts: its best tree by cumulative draft

@@ -127,7 +127,8 @@ class DFlashProposer:
     accepted less often than argmax drafts, which stay exact through sample-and-match.
     The engine checks that the drafter fits the target. tree > 0: a tree of up to that
     many nodes instead of a chain: the block's best tree (DDTree,
-    `specjax.drafters.block_tree`) for argmax drafts; for sampled drafts the chain plus
+    `specjax.drafters.block_tree`; through a Markov head, whose rows condition on the
+    token before, `specjax.drafters.markov_tree`) for argmax drafts; for sampled drafts the chain plus
     second children drawn without replacement from the same block rows
     (`specjax.drafters.sampled_tree`), accepted by recursive rejection sampling
     (`specjax.tree_accept`), so the output still follows the target's distribution;

@@ -52,7 +52,7 @@ from . import sampling as smp
 from . import steps, trees
 from .checkpoint import Params
 from .config import Qwen3Config
-from .dflash import DFlashConfig
+from .dflash import MARKOV, DFlashConfig
 from .drafters import (DFlashCache, Head, block_drafts, chain, draft_sampled_tree, draft_token, draft_tree,
                        draft_tree_capacity, feed, sampled_tree, stash, tree_capacity)
 from .kv import KVCache, write_layer
@@ -237,7 +237,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     most nodes) > 0 with row_tree [R] (a row's node budget, 0: chains): a row whose round
     takes prompt lookup drafts the lookup trie of its best matches (`lookup.tree`) instead
     of the chain, and a row taking DFlash drafts the block's best tree when they are not
-    sampled (`drafters.block_tree`, verified by `trees.walk`), and when they are a tree
+    sampled (`drafters.block_tree`, or `drafters.markov_tree` for a drafter with a Markov head;
+    verified by `trees.walk`), and when they are a tree
     whose shape only the node budget fixes (`drafters.sampled_tree`: the chain's own draws
     plus second children, drawn without replacement from the same block rows, verified by
     `tree_accept.accept_tree_rows`), a row taking sampled draft-model drafts the same
@@ -443,7 +444,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 options.append(("draft", 1, draft_ranked, draft_tree_capacity(d_nodes), grown,
                                 jnp.minimum(room[pick], offered["draft"])))
             if f_nodes:  # a DFlash block's tree, for rows whose drafts are not sampled
-                options.append(("dflash", len(candidates) - 1, block_ranked, tree_capacity(fk),
+                options.append(("dflash", len(candidates) - 1, block_ranked,
+                                tree_capacity(fk, f_nodes, MARKOV in fparams),
                                 budgeted & ~drawn & ran & (offered["dflash"] > 0),
                                 jnp.minimum(room[pick], offered["dflash"])))
             for name, at_c, ranked, cap, ready, most in options:

@@ -92,10 +92,63 @@ def test_markov_drafts_are_chosen_left_to_right(tiny, rng, vocab_size):
         prev = int(drafts[1, j])
 
 
+@pytest.mark.parametrize("vocab_size", [None, 30])
+def test_markov_tree_is_the_best_scored_set_of_paths(tiny, rng, vocab_size):
+    """A greedy row's DFlash tree through a Markov head, by brute force in NumPy: every
+    path whose each token is among the top MARKOV_BRANCH of its block row biased by the
+    token before it, scored by summed log-softmax of those biased rows; the first n nodes
+    laid out are the n best paths, and the nodes marked main are the row's greedy drafts."""
+    from specjax import trees
+    from specjax.drafters import MARKOV_BRANCH, tree_capacity
+
+    model, drafter, fc, last, start, vocab = _block_case(tiny, rng, vocab_size)
+    cfg, d = model.config, drafter.config
+    k, nodes = 4, 4
+    unary, _ = block_logits(drafter.params, d, fc.kv, model.params, cfg, last, start, k=k)
+    unary = np.asarray(unary, np.float64)
+    head = None if vocab is None else draft_head(model.params, cfg, vocab)
+    ids = np.arange(cfg.vocab_size) if vocab is None else vocab
+    if vocab is not None:
+        unary = unary[..., vocab]
+    rs = smp.RowSampling.of([Sampling(), Sampling()])
+    drafts, _, _, ranked = block_drafts(drafter.params, d, fc, model.params, cfg, last, start, k,
+                                        jnp.array([1, 2], jnp.uint32), rs, jnp.array([False, False]), False, head,
+                                        tree_nodes=nodes)
+    for r in range(2):
+        paths = {}
+
+        def grow(path, prev, score):
+            if len(path) == k:
+                return
+            row = unary[r, len(path)] + _bias(drafter, prev, vocab)
+            lp = row - row.max() - np.log(np.exp(row - row.max()).sum())
+            for t in np.argsort(-lp)[:MARKOV_BRANCH]:
+                paths[path + (int(ids[t]),)] = score + lp[t]
+                grow(path + (int(ids[t]),), int(ids[t]), score + lp[t])
+
+        grow((), int(last[r]), 0.0)
+        best = sorted(paths, key=lambda p: -paths[p])
+        for n in range(1, nodes + 1):
+            one = jax.tree.map(lambda x: x[r:r + 1], ranked)
+            got_drafts, parents, main, got_n = trees.arrange(one, jnp.asarray([n]), tree_capacity(k, nodes, True))
+            tokens, parents = np.concatenate([[-1], np.asarray(got_drafts[0])]), np.asarray(parents[0])
+            assert int(got_n[0]) == n
+            got = {}
+            for i in range(1, n + 1):
+                path, j = [], i
+                while j > 0:
+                    path.append(int(tokens[j]))
+                    j = int(parents[j])
+                got[tuple(path[::-1])] = bool(main[0, i])
+            assert set(got) == set(best[:n])
+            greedy = [int(t) for t in np.asarray(drafts[r])]
+            assert {p for p, m in got.items() if m} == {tuple(greedy[:j]) for j in range(1, k + 1)} & set(got)
+
+
 def test_training_forward_equals_inference_forward(tiny, rng):
     """The logits a training step scores (`dflash.block_markov_logits` over `block_logits`,
-    teacher-forced) equal the biased logits the engine drafts from when the drafts are the
-    sequence's own tokens: a sequence whose tokens after the anchor are the engine's
+    teacher-forced) equal the biased logits the engine drafts from (as log-probabilities)
+    when the drafts are the sequence's own tokens: a sequence whose tokens after the anchor are the engine's
     greedy drafts."""
     from specjax.drafters import markov_drafts
 
@@ -109,10 +162,10 @@ def test_training_forward_equals_inference_forward(tiny, rng):
     _, _, taps = hidden_states(model.params, cfg, context[None, :-1], np.arange(n)[None], taps=d.target_layer_ids)
     cache = dflash.append_context(drafter.params, d, dflash.init_cache(d, 64), taps[:, 0], n, np.arange(n))
     unary = dflash.draft_block(drafter.params, d, cache, model.params, cfg, context[-1], n, k=7)  # [7, V]
-    rs = smp.RowSampling.of([Sampling()])
-    drafts, _, _, biased = markov_drafts(drafter.params[MARKOV], unary[None], jnp.asarray(context[-1:]),
-                                         jnp.array([n]), jnp.array([0], jnp.uint32), rs, jnp.array([False]),
-                                         False, cfg.vocab_size, None, False)
+    rs = smp.RowSampling.of([Sampling(1.0)])  # q: the biased row's softmax; the row drafts its argmax
+    drafts, logq, _ = markov_drafts(drafter.params[MARKOV], unary[None], jnp.asarray(context[-1:]),
+                                    jnp.array([n]), jnp.array([0], jnp.uint32), rs, jnp.array([False]),
+                                    True, cfg.vocab_size, None, False)
     tokens = np.concatenate([context, np.asarray(drafts[0])])  # the anchor's block is [context[-1], drafts]
     _, _, taps = hidden_states(model.params, cfg, tokens[None], np.arange(len(tokens))[None], taps=d.target_layer_ids)
     features = taps[:, 0].transpose(1, 0, 2).reshape(len(tokens), -1)
@@ -120,7 +173,7 @@ def test_training_forward_equals_inference_forward(tiny, rng):
     block = jnp.full((1, d.block_size), d.mask_token_id, jnp.int32).at[0, 0].set(int(context[-1]))
     train = dflash.block_logits(drafter.params, d, model.params, cfg, features, block, anchors)
     train = dflash.block_markov_logits(drafter.params[MARKOV], train, jnp.asarray(tokens), anchors)
-    np.testing.assert_allclose(np.asarray(train[0]), np.asarray(biased[0]), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(jax.nn.log_softmax(train[0])), np.asarray(logq[0]), atol=1e-4, rtol=1e-4)
 
 
 def test_a_drafter_saved_with_a_head_loads_with_and_without_it(tiny, tmp_path):

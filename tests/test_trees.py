@@ -252,7 +252,8 @@ def test_dflash_tree_is_the_best_scored_set_of_prefixes(rng):
         best = sorted(prefixes, key=lambda p: -prefixes[p])
         for n in (1, 5, nodes):
             batch = jax.tree.map(lambda x: x[r:r + 1], ranked)
-            drafts, parents, main, got_n = trees.arrange(batch, jnp.asarray([n]), drafters.tree_capacity(k))
+            cap = drafters.tree_capacity(k, nodes, False)
+            drafts, parents, main, got_n = trees.arrange(batch, jnp.asarray([n]), cap)
             drafts, parents = np.asarray(drafts[0]), np.asarray(parents[0])
             tokens = np.concatenate([[-1], drafts])
             got = {tuple(int(tokens[j]) for j in _path_to(parents, i)[1:]) for i in range(1, int(got_n[0]) + 1)}
