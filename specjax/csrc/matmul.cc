@@ -97,13 +97,11 @@ inline float Lane(Line a, int64_t j) { return j < 8 ? a.lo[j] : a.hi[j - 8]; }
 // Panels per pass for M rows: each output is one FMA chain, whose latency (4 cycles) caps a
 // pass of one row and one panel at a 64-byte line per 4 cycles, below what the caches deliver
 // for a model resident in L3; a pass over several panels at once runs that many chains side
-// by side. With AVX-512 a verify of up to 8 rows also takes two panels a pass: each broadcast
-// of x then feeds two FMAs, and a step of T = 8 on the S config of bench.py in bf16 went from
-// ~1.45x to ~1.27x a decode step (float32 and int8 panels: no change beyond noise). The
-// chains and their order are the same however panels are grouped, so this changes no bits.
+// by side. The chains and their order are the same however panels are grouped, so this
+// changes no bits.
 constexpr int PanelsPerPass(int m) {
 #if defined(__AVX512F__)
-  return m == 1 ? 4 : m <= 8 ? 2 : 1;  // accumulators and lines within 32 registers
+  return m == 1 ? 4 : m < 4 ? 2 : 1;  // accumulators and lines within 32 registers
 #else
   return m == 1 ? 2 : 1;  // a line is two vectors here
 #endif
