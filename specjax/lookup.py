@@ -58,9 +58,14 @@ TREE_MATCHES = 4  # earlier occurrences a lookup tree merges
 def tree(history: jax.Array, size: jax.Array, k: int, max_ngram: int, min_ngram: int, nodes: int) -> dict:
     """Prompt lookup as a tree: the continuations (k tokens each) of the TREE_MATCHES best
     earlier occurrences of the row's suffix (longest, then latest, as `find`), merged into
-    a trie, and its `nodes` best nodes ranked: most continuations through the node first,
-    then the better occurrence, then the shallower node, so each node ranks below its
-    parent and any first n of the ranking is a tree (`trees.arrange` lays it out). Where
+    a trie, and its `nodes` best nodes ranked by the continuations through each node: those
+    of the longest match first (a longer match outweighs all shorter ones together), then
+    how many of the next length, and so on; then the better occurrence, then the shallower
+    node. So each node ranks below its parent and any first n of the ranking is a tree
+    (`trees.arrange` lays it out). Counting every occurrence alike let three short
+    matches that agree outvote the longest one, which `find` drafts: on tiny-code's edit
+    prompts (teacher-forced, 8 nodes) 4.72 tokens per round against the chain's 5.21,
+    5.27 this way. Where
     all continuations agree the tree is the chain `find` drafts; where they part, it
     branches (SGLang's n-gram tree is the model: github.com/sgl-project/sglang,
     python/sglang/srt/speculative/ngram_worker.py).
@@ -72,10 +77,15 @@ def tree(history: jax.Array, size: jax.Array, k: int, max_ngram: int, min_ngram:
     score = _scores(history, size, max_ngram, min_ngram)
     best, ends = top_k_ints(score, m)
     lengths = jnp.where(best >= 0, jnp.minimum(k, size - 1 - ends), 0)
+    # each continuation's weight: m ** (m - 1 - level), level the distinct match lengths above
+    # its own (the matches come longest first), so one of a longer match outweighs m - 1 others
+    level = jnp.cumsum(jnp.concatenate([jnp.zeros(1, jnp.int32), (best[1:] // history.shape[0] <
+                                                                   best[:-1] // history.shape[0]).astype(jnp.int32)]))
+    weight = m ** (m - 1 - level)
     seqs = jax.vmap(lambda e: jax.lax.dynamic_slice(history, (e + 1,), (k,)))(ends)
     # the trie without a loop: continuation s's first d + 1 tokens are one node with every
     # continuation s' that shares them; the first such continuation creates it (node id
-    # 1 + s * k + d), and the continuations through it are its count
+    # 1 + s * k + d), and the summed weight of the continuations through it is its count
     d = jnp.arange(k)
     real = d[None, :] < lengths[:, None]  # [M, k]
     same = (seqs[:, None, :] == seqs[None, :, :]) & real[:, None, :] & real[None, :, :]  # [M, M, k]
@@ -83,7 +93,7 @@ def tree(history: jax.Array, size: jax.Array, k: int, max_ngram: int, min_ngram:
     first = jnp.argmax(shared, axis=1).astype(jnp.int32)  # [M, k]: the continuation that creates the node
     s = jnp.arange(m)[:, None]
     creates = real & (first == s)
-    count = jnp.sum(shared, axis=1)
+    count = jnp.sum(shared * weight[None, :, None], axis=1)  # the weight of the continuations through it
     parent = jnp.where(d[None, :] == 0, 0, 1 + jnp.roll(first, 1, axis=1) * k + d[None, :] - 1)
     key = jnp.where(creates, (count * m + (m - 1 - s)) * (k + 1) + (k - 1 - d[None, :]), -1).reshape(-1)
     ranked_key, flat = top_k_ints(key, nodes)

@@ -105,7 +105,8 @@ def test_held_depths_are_the_longest_drafted_prefix_of_the_committed_tokens(rng)
 
 
 def _trie_reference(history: np.ndarray, size: int, k: int, max_ngram: int, min_ngram: int):
-    """The lookup trie by brute force: {token path tuple: (count, first sequence, depth)}."""
+    """The lookup trie by brute force: {token path tuple: (its continuations' match lengths,
+    first sequence, depth)}."""
     scored = []
     for end in range(size - 1):
         m = 0
@@ -115,22 +116,30 @@ def _trie_reference(history: np.ndarray, size: int, k: int, max_ngram: int, min_
             scored.append((m, end))
     scored.sort(reverse=True)
     nodes: dict[tuple, list] = {}
-    for s, (_, end) in enumerate(scored[:lookup.TREE_MATCHES]):
+    for s, (m, end) in enumerate(scored[:lookup.TREE_MATCHES]):
         cont = [int(t) for t in history[end + 1:min(end + 1 + k, size)]]
         for d in range(1, len(cont) + 1):
             key = tuple(cont[:d])
             if key in nodes:
-                nodes[key][0] += 1
+                nodes[key][0].append(m)
             else:
-                nodes[key] = [1, s, d]
+                nodes[key] = [[m], s, d]
     return nodes
+
+
+def _trie_rank(node: list) -> tuple:
+    """A trie node's place, best first: per match length, longest first, more continuations
+    through it of that length; then the earlier sequence; then the shallower node."""
+    lengths, first, depth = node
+    return tuple(-lengths.count(m) for m in range(32, 0, -1)) + (first, depth)
 
 
 def test_lookup_tree_is_the_trie_of_the_best_continuations(rng):
     """Histories with a few recurring phrases that continue differently; the first n nodes
-    of the ranking, laid out, are the n best trie nodes (most continuations, then the better
-    occurrence, then shallower), as a tree with distinct siblings: the first continuation as a chain,
-    then the other nodes breadth first."""
+    of the ranking, laid out, are the n best trie nodes (the most continuations of the longest
+    match through them, then of the next length, then the better occurrence, then shallower),
+    as a tree with distinct siblings: the first continuation as a chain, then the other nodes
+    breadth first."""
     k, max_ngram, n_nodes = 6, 3, 10
     for _ in range(30):
         phrases = [rng.integers(0, 5, int(rng.integers(2, 6))) for _ in range(3)]
@@ -140,7 +149,7 @@ def test_lookup_tree_is_the_trie_of_the_best_continuations(rng):
         history[:size] = seq
         ranked = jax.jit(lambda h, s: lookup.tree(h, s, k, max_ngram, 1, n_nodes))(jnp.asarray(history), size)
         ref = _trie_reference(history, size, k, max_ngram, 1)
-        order = sorted(ref, key=lambda p: (-ref[p][0], ref[p][1], ref[p][2]))
+        order = sorted(ref, key=lambda p: _trie_rank(ref[p]))
         for n in (1, 4, n_nodes):
             batch = jax.tree.map(lambda x: x[None], ranked)
             drafts, parents, main, got_n = trees.arrange(batch, jnp.asarray([n]), lookup.capacity(k))
