@@ -102,13 +102,26 @@ def tree(history: jax.Array, size: jax.Array, k: int, max_ngram: int, min_ngram:
             "valid": ranked_key >= 0}
 
 
+PAIRWISE_TOP_K = 128  # rows up to this long rank their entries by all pairwise comparisons
+
+
 def top_k_ints(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`jax.lax.top_k` of integers along the last axis (the k largest, ties by the lower
-    index), as k rounds of argmax: XLA:CPU sorts a whole row for an integer top-k (about
-    100 us for one row of 1152 lookup scores, against 4 us for four rounds). Every value
-    of x must be above the dtype's minimum (a taken entry is set to it)."""
+    index; k at most the row's length). XLA:CPU sorts a whole row for an integer top-k
+    (about 100 us for one row of 1152 lookup scores). A short row (PAIRWISE_TOP_K entries
+    at most, a lookup tree's candidates) ranks every entry at once by comparing it with
+    every other, one fused pass: for 15 of 60 entries 7.5 us a call against 50 us for 15
+    dependent rounds of argmax. A long row takes k rounds of argmax (4 us for four of 1152
+    scores); every value of x must then be above the dtype's minimum (a taken entry is
+    set to it)."""
+    n = x.shape[-1]
+    at = jnp.arange(n)
+    if n <= PAIRWISE_TOP_K:
+        xi, xj = x[..., :, None], x[..., None, :]
+        rank = jnp.sum((xj > xi) | ((xj == xi) & (at[None, :] < at[:, None])), axis=-1)  # a permutation of 0 .. n-1
+        idx = jnp.argmax(rank[..., None, :] == jnp.arange(k)[:, None], axis=-1).astype(jnp.int32)  # [..., k]
+        return jnp.take_along_axis(x, idx, axis=-1), idx
     low = jnp.iinfo(x.dtype).min
-    at = jnp.arange(x.shape[-1])
     values, indices = [], []
     for _ in range(k):
         i = jnp.argmax(x, axis=-1)

@@ -33,9 +33,12 @@ def test_find_equals_brute_force_lookup(rng):
 
 def test_top_k_ints_is_a_stable_descending_sort(rng):
     """The k largest of each row with ties by the lower index: the first k of NumPy's
-    stable sort of -x, values and indices, for rows with many ties and negative values."""
+    stable sort of -x, values and indices, for rows with many ties and negative values,
+    short rows (ranked pairwise) and long ones (rounds of argmax)."""
     top = jax.jit(lookup.top_k_ints, static_argnums=1)
-    for shape, k in [((7,), 7), ((40,), 4), ((3, 60), 15), ((2, 1152), 4)]:
+    long = lookup.PAIRWISE_TOP_K + 1
+    for shape, k in [((7,), 7), ((40,), 4), ((3, 60), 15), ((2, lookup.PAIRWISE_TOP_K), 9), ((long,), 5),
+                     ((2, 1152), 4)]:
         x = rng.integers(-1, 5, shape).astype(np.int32)
         values, indices = top(x, k)
         order = np.argsort(-x, axis=-1, kind="stable")[..., :k]
