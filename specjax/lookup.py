@@ -32,10 +32,17 @@ def find(history: jax.Array, size: jax.Array, k: int, max_ngram: int, min_ngram:
     """
     score = _scores(history, size, max_ngram, min_ngram)
     end = jnp.argmax(score)
-    found = score[end] >= 0
+    return continuation(history, size, k, score[end], end)
+
+
+def continuation(history: jax.Array, size: jax.Array, k: int, best: jax.Array, end: jax.Array
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`find`'s result for the occurrence ending at `end` whose score is `best` (one of
+    `matches`; -1: none)."""
+    found = best >= 0
     drafts = jax.lax.dynamic_slice(history, (end + 1,), (k,))
     n = jnp.where(found, jnp.minimum(k, size - 1 - end), 0)
-    return drafts, n, jnp.where(found, score[end] // history.shape[0], 0)
+    return drafts, n, jnp.where(found, best // history.shape[0], 0)
 
 
 def _scores(history: jax.Array, size: jax.Array, max_ngram: int, min_ngram: int) -> jax.Array:
@@ -55,9 +62,16 @@ def _scores(history: jax.Array, size: jax.Array, max_ngram: int, min_ngram: int)
 TREE_MATCHES = 4  # earlier occurrences a lookup tree merges
 
 
-def tree(history: jax.Array, size: jax.Array, k: int, max_ngram: int, min_ngram: int, nodes: int) -> dict:
-    """Prompt lookup as a tree: the continuations (k tokens each) of the TREE_MATCHES best
-    earlier occurrences of the row's suffix (longest, then latest, as `find`), merged into
+def matches(history: jax.Array, size: jax.Array, max_ngram: int, min_ngram: int) -> tuple[jax.Array, jax.Array]:
+    """The TREE_MATCHES best earlier occurrences of the suffix of history[:size] (longest,
+    then latest; `find` drafts the first): (scores [M], -1 where there is none; the
+    indices where they end [M])."""
+    return top_k_ints(_scores(history, size, max_ngram, min_ngram), TREE_MATCHES)
+
+
+def tree(history: jax.Array, size: jax.Array, k: int, best: jax.Array, ends: jax.Array, nodes: int) -> dict:
+    """Prompt lookup as a tree: the continuations (k tokens each) of the row's best earlier
+    occurrences of its suffix (`matches`: scores `best`, ending at `ends`), merged into
     a trie, and its `nodes` best nodes ranked by the continuations through each node: those
     of the longest match first (a longer match outweighs all shorter ones together), then
     how many of the next length, and so on; then the better occurrence, then the shallower
@@ -73,9 +87,7 @@ def tree(history: jax.Array, size: jax.Array, k: int, max_ngram: int, min_ngram:
     Returns {"token", "parent" (trie index), "trie", "depth", "main" (on the best
     continuation), "valid"} each [nodes]; the trie has `capacity(k)` entries. history must
     hold size + k entries; nodes <= capacity(k) - 1."""
-    m = TREE_MATCHES
-    score = _scores(history, size, max_ngram, min_ngram)
-    best, ends = top_k_ints(score, m)
+    m = best.shape[0]
     lengths = jnp.where(best >= 0, jnp.minimum(k, size - 1 - ends), 0)
     # each continuation's weight: m ** (m - 1 - level), level the distinct match lengths above
     # its own (the matches come longest first), so one of a longer match outweighs m - 1 others

@@ -56,7 +56,8 @@ from .dflash import MARKOV, DFlashConfig
 from .drafters import (DFlashCache, Head, block_drafts, chain, draft_sampled_tree, draft_token, draft_tree,
                        draft_tree_capacity, feed, sampled_tree, stash, tree_capacity)
 from .kv import KVCache, write_layer
-from .lookup import ACCEPT_DECAY, PRIOR_ACCEPT, PSEUDO, capacity, expected_tokens, find, tree as lookup_tree
+from .lookup import (ACCEPT_DECAY, PRIOR_ACCEPT, PSEUDO, capacity, continuation, expected_tokens, find, matches,
+                     tree as lookup_tree)
 from .qwen3 import hidden_states, unembed
 from .sampling import RowSampling
 from .tree_accept import accept_tree_rows
@@ -321,7 +322,11 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         kv, dkv, fkv, history, size, made, i, state, bad, stopped, log, scratch = c
         live = (made < budget) & ~stopped
         limit = jnp.where(live, jnp.minimum(row_k, jnp.maximum(budget - made - 1, 0)), 0)
-        if k:
+        if k and t_nodes:  # the best occurrences for the lookup tree; the chain drafts the first
+            scores, ends = jax.vmap(lambda h, s: matches(h, s, max_ngram, min_ngram))(history, size)
+            lookup_drafts, found, m = jax.vmap(lambda h, s, b, e: continuation(h, s, k, b, e))(
+                history, size, scores[:, 0], ends[:, 0])
+        elif k:
             lookup_drafts, found, m = jax.vmap(lambda h, s: find(h, s, k, max_ngram, min_ngram))(history, size)
         else:
             lookup_drafts, found, m = (jnp.zeros((rows, 1), jnp.int32), jnp.zeros(rows, jnp.int32),
@@ -438,8 +443,9 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         if t_nodes:  # rows with a tree budget: their proposer's best tree, as many nodes as a chain's drafts
             parents = chain_ = trees.chain_parents(rows, SPAN)
             # (proposer, candidates slot, ranked nodes, trie entries, rows whose tree is built, most nodes)
-            options = [("lookup", 0, jax.vmap(lambda h, s: lookup_tree(h, s, k, max_ngram, min_ngram, t_nodes))(
-                history, size), capacity(k), budgeted & ~hosted & (found > 0), jnp.minimum(room[pick], limit))]
+            looked = jax.vmap(lambda h, s, b, e: lookup_tree(h, s, k, b, e, t_nodes))(history, size, scores, ends)
+            options = [("lookup", 0, looked, capacity(k), budgeted & ~hosted & (found > 0),
+                        jnp.minimum(room[pick], limit))]
             if d_nodes:  # a draft model's tree, for rows that grew one
                 options.append(("draft", 1, draft_ranked, draft_tree_capacity(d_nodes), grown,
                                 jnp.minimum(room[pick], offered["draft"])))

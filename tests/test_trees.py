@@ -147,7 +147,8 @@ def test_lookup_tree_is_the_trie_of_the_best_continuations(rng):
         size = len(seq)
         history = np.zeros(size + k + 4, np.int32)
         history[:size] = seq
-        ranked = jax.jit(lambda h, s: lookup.tree(h, s, k, max_ngram, 1, n_nodes))(jnp.asarray(history), size)
+        ranked = jax.jit(lambda h, s: lookup.tree(h, s, k, *lookup.matches(h, s, max_ngram, 1), n_nodes))(
+            jnp.asarray(history), size)
         ref = _trie_reference(history, size, k, max_ngram, 1)
         order = sorted(ref, key=lambda p: _trie_rank(ref[p]))
         for n in (1, 4, n_nodes):
