@@ -78,10 +78,9 @@ def tree(history: jax.Array, size: jax.Array, k: int, best: jax.Array, ends: jax
     node. So each node ranks below its parent and any first n of the ranking is a tree
     (`trees.arrange` lays it out). Counting every occurrence alike let three short
     matches that agree outvote the longest one, which `find` drafts: on tiny-code's edit
-    prompts (teacher-forced, 8 nodes) 4.72 tokens per round against the chain's 5.21,
-    5.27 this way. Where
-    all continuations agree the tree is the chain `find` drafts; where they part, it
-    branches (SGLang's n-gram tree is the model: github.com/sgl-project/sglang,
+    prompts (teacher-forced, 8 nodes) 4.72 tokens per round against the chain's 5.21;
+    5.27 with these weights. Where all continuations agree the tree is the chain `find`
+    drafts; where they part, it branches (SGLang's n-gram tree is the model: github.com/sgl-project/sglang,
     python/sglang/srt/speculative/ngram_worker.py).
 
     Returns {"token", "parent" (trie index), "trie", "depth", "main" (on the best
