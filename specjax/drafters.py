@@ -410,9 +410,8 @@ def markov_tree(markov: Params, logits: jax.Array, last: jax.Array, head: Head |
                "parent": jnp.broadcast_to(i + 1, (rows, branch)).astype(jnp.int32),
                "depth": jnp.broadcast_to(got["depth"][:, None] + 1, (rows, branch)),
                "main": got["main"][:, None] & (lane == 0)[None, :]}
-        at = branch * (i + 1)
-        open_ = {name: jax.lax.dynamic_update_slice_in_dim(x.at[rowwise, best].set(-jnp.inf) if name == "score"
-                                                           else x, new[name].astype(x.dtype), at, axis=1)
+        open_ = {**open_, "score": open_["score"].at[rowwise, best].set(-jnp.inf)}  # taken: no longer open
+        open_ = {name: jax.lax.dynamic_update_slice_in_dim(x, new[name].astype(x.dtype), branch * (i + 1), axis=1)
                  for name, x in open_.items()}
         return open_, out
 
