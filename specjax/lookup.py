@@ -90,8 +90,8 @@ def tree(history: jax.Array, size: jax.Array, k: int, best: jax.Array, ends: jax
     lengths = jnp.where(best >= 0, jnp.minimum(k, size - 1 - ends), 0)
     # each continuation's weight: m ** (m - 1 - level), level the distinct match lengths above
     # its own (the matches come longest first), so one of a longer match outweighs m - 1 others
-    level = jnp.cumsum(jnp.concatenate([jnp.zeros(1, jnp.int32), (best[1:] // history.shape[0] <
-                                                                   best[:-1] // history.shape[0]).astype(jnp.int32)]))
+    matched = best // history.shape[0]  # n-gram lengths, non-increasing
+    level = jnp.cumsum(jnp.concatenate([jnp.zeros(1, jnp.int32), (matched[1:] < matched[:-1]).astype(jnp.int32)]))
     weight = m ** (m - 1 - level)
     seqs = jax.vmap(lambda e: jax.lax.dynamic_slice(history, (e + 1,), (k,)))(ends)
     # the trie without a loop: continuation s's first d + 1 tokens are one node with every

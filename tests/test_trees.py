@@ -131,7 +131,7 @@ def _trie_rank(node: list) -> tuple:
     """A trie node's place, best first: per match length, longest first, more continuations
     through it of that length; then the earlier sequence; then the shallower node."""
     lengths, first, depth = node
-    return tuple(-lengths.count(m) for m in range(32, 0, -1)) + (first, depth)
+    return tuple(-lengths.count(m) for m in range(lookup.MAX_NGRAM, 0, -1)) + (first, depth)
 
 
 def test_lookup_tree_is_the_trie_of_the_best_continuations(rng):
