@@ -222,7 +222,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: j
     [B, N] is the pool slot of each position of a row (`kv.row_slots`). Query t of row b
     sees the positions up to q_pos[b, t], except that of base[b] + j (j < 32) it sees only
     those with bit j of bits[b, t] set (`qwen3.visible`): [B, T, H*E]. The pools are float32
-    or bfloat16 (`POOL_DTYPES`), widened exactly in registers.
+    or bfloat16 (`POOL_DTYPES`), widened exactly as they are read.
 
     `fallback` (same arguments and result, in XLA ops) runs under `jax.vmap` (one pool per
     mapped element, e.g. batched reply generation for drafter training)."""

@@ -6,7 +6,7 @@
 // of the slots it may see once, for all of its T*G queries.
 //
 // Shapes (letters of specjax/kv.py): q [B, T, H, E]; k, v [L, K, P, Z, E] (float32, or
-// bfloat16 widened in registers: half the bytes a step reads from the pool); layer [];
+// bfloat16, widened block by block: half the bytes a step reads from the pool); layer [];
 // slots [B, N] (the pool slot, page * Z + offset, holding position n of row b); q_pos
 // [B, T]; base [B]; bits [B, T]. Query t of row b sees positions n <= q_pos[b, t], except
 // that of the 32 positions base[b] + j it sees only those whose bit j of bits[b, t] is set
