@@ -172,17 +172,23 @@ def _llamacpp(cfg: BenchConfig, target: Model, log: Callable[[str], None]
     greedy = dict(sampling=SAMPLINGS["greedy"], seed=0)
     rows: list[tuple[str, Row]] = []
     tags: dict[str, str | None] = {}
+    caches: dict[str, dict[str, str | None]] = {}  # each type's KV cache dtype in each engine
     for t in cfg.gguf_types:
         tags[t] = "" if t == own else f"@{t}" if t in ("f32", "q8_0") else None
+        model = target
         if tags[t]:
-            model = load(cfg.model, "float32" if t == "f32" else "int8", kv_dtype=cfg.kv_dtype)
+            # the f32 rows keep float32 keys and values whatever --kv-dtype says: the greedy check
+            # compares their tokens with llama.cpp's on the f32 file, whose cache is f32
+            model = load(cfg.model, "float32" if t == "f32" else "int8", kv_dtype=None if t == "f32" else cfg.kv_dtype)
             lookup = Adaptive(NgramProposer(k=max(cfg.ngram_ks)))  # as the `lookup` row
             rows += [(f"plain@{t}:0", functools.partial(_ours, model, None, **greedy)),
                      (f"lookup@{t}:0", functools.partial(_ours, model, lookup, **greedy))]
+        caches[t] = {"llamacpp": llamacpp.cache_type(t),
+                     "specjax": None if tags[t] is None else GGUF_NAMES[np.dtype(model.cache_dtype).name]}
         runner = llamacpp.Runner(files[t], t, n_ctx, n_threads)
         rows += [(llamacpp.key(t, k), functools.partial(runner.run, k=k)) for k in (0, *cfg.llamacpp_ks)]
     info = {"version": llama_cpp.__version__, "source": str(cfg.llamacpp), "threads": n_threads,
-            "specjax_threads": llamacpp.threads(), "n_ctx": n_ctx,
+            "specjax_threads": llamacpp.threads(), "n_ctx": n_ctx, "caches": caches,
             "files": {t: {"path": str(p), "bytes": p.stat().st_size} for t, p in files.items()}}
     log(f"llama.cpp: llama-cpp-python {info['version']}, {n_threads} threads (specjax's: {info['specjax_threads']}), types "
         + ", ".join(cfg.gguf_types))

@@ -115,21 +115,26 @@ def key(gguf_type: str, k: int) -> str:
     return f"llamacpp-plain@{gguf_type}:0" if k == 0 else f"llamacpp-lookup@{gguf_type}:{k}"
 
 
+def cache_type(gguf_type: str) -> str:
+    """The KV cache llama.cpp runs a file of this type with: f32 for the f32 file, as
+    specjax's f32 rows keep theirs (llama.cpp's default f16 cache would round keys and
+    values, and the greedy check compares tokens exactly); llama.cpp's default, f16, for
+    the others."""
+    return "f32" if gguf_type == "f32" else "f16"
+
+
 class Runner:
     """llama.cpp's greedy decoding of one GGUF file, plain or with its prompt lookup
     (`llama_cpp.llama_speculative.LlamaPromptLookupDecoding`, n-grams of up to 2 tokens,
-    its default), given token ids.
-
-    The f32 file runs with an f32 KV cache, as specjax's is: llama.cpp's default f16 cache
-    would round keys and values, and the greedy check compares tokens exactly. The other
-    types keep llama.cpp's default cache (f16)."""
+    its default), given token ids, with the KV cache `cache_type` names."""
 
     def __init__(self, path: Path, gguf_type: str, n_ctx: int, n_threads: int):
         llama_cpp = require()
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         self._prompt_lookup = LlamaPromptLookupDecoding
-        cache = dict(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32) if gguf_type == "f32" else {}
+        f32 = cache_type(gguf_type) == "f32"
+        cache = dict(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32) if f32 else {}
         common = dict(n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads, verbose=False, **cache)
         self.plain = llama_cpp.Llama(str(path), **common)
         # logits_all: the lookup loop samples at every drafted position. llama-cpp-python
@@ -264,7 +269,8 @@ def markdown(results: dict[str, Any]) -> str:
              f"from this checkpoint, {_threads(info)}; greedy, the same token ids to "
              "both, decode tok/s after prefill (medians over runs). `vs llama.cpp plain` is the median of "
              "per-run speed ratios against llama.cpp's plain decoding on the same weights. specjax's q8_0 row is "
-             "its int8 weights (`load(dtype=\"int8\")`: llama.cpp's q8_0 blocks, activations kept in f32).", "",
+             "its int8 weights (`load(dtype=\"int8\")`: llama.cpp's q8_0 blocks, activations kept in f32). "
+             + _caches(info.get("caches", {})), "",
              "| workload | weights | engine | method | tok/s | vs llama.cpp plain | tokens = specjax plain |",
              "|---|---|---|---|---|---|---|"]
     yes = {True: "yes", False: "no", None: "–"}
@@ -299,6 +305,14 @@ def markdown(results: dict[str, Any]) -> str:
                      f"llama.cpp's ({_label(s['llamacpp'], s['llamacpp_weights'])}): {s['ratio']:.2f}x{goal}")
         lines.append(line + ".")
     return "\n".join(lines) + "\n"
+
+
+def _caches(caches: dict[str, dict[str, str | None]]) -> str:
+    """The sentence naming each engine's KV cache dtype for each weight type."""
+    if not caches:
+        return ""
+    each = lambda engine: ", ".join(f"{c[engine]} with {t} weights" for t, c in caches.items() if c[engine])
+    return f"KV caches: llama.cpp {each('llamacpp')}; specjax {each('specjax')} (`--kv-dtype`)."
 
 
 def _threads(info: dict[str, Any]) -> str:

@@ -159,10 +159,14 @@ def test_the_comparison_reports_what_the_runs_say():
                                    "llamacpp_weights": "bf16", "ratio": pytest.approx(3.0)}
     assert cell["check"] == {"passed": False, "runs": 2, "tokens": 4,
                              "mismatches": [{"run": 1, "position": 2, "specjax": 3, "llamacpp": 9}]}
-    results = {"llamacpp": {"version": "0", "threads": 1, "specjax_threads": 2},
+    caches = {"f32": {"llamacpp": "f32", "specjax": "f32"}, "bf16": {"llamacpp": "f16", "specjax": "bf16"},
+              "f16": {"llamacpp": "f16", "specjax": None}}
+    results = {"llamacpp": {"version": "0", "threads": 1, "specjax_threads": 2, "caches": caches},
                "cells": [{"workload": "edit", "llamacpp": cell}]}
     table = llamacpp.markdown(results)
     assert "llama.cpp on 1 thread (`--llamacpp-threads`), specjax on 2;" in table
+    assert ("KV caches: llama.cpp f32 with f32 weights, f16 with bf16 weights, f16 with f16 weights; specjax f32 "
+            "with f32 weights, bf16 with bf16 weights (`--kv-dtype`).") in table
     assert "| edit | bf16 | specjax | ngram (k=3) | 11 | 6.00x | yes |" in table
     assert "| edit | f16 | llama.cpp | lookup (k=2) | 3 | 1.46x | – |" in table
     assert "f32 greedy check: **FAILED**: edit run 1 first differs at token 2 (specjax 3, llama.cpp 9)" in table
@@ -205,6 +209,20 @@ def bench_run(source, tiny_bf16, tmp_path_factory):
                             llamacpp=source, gguf_types=("f32", "bf16"), llamacpp_ks=(3,), gguf_cache=root / "gguf",
                             out=root / "out")
     return cfg, bench.run(cfg, log=lambda s: None)
+
+
+def test_a_16_bit_cache_leaves_the_f32_rows_exact(source, tiny_bf16, tmp_path):
+    """With --kv-dtype bfloat16 specjax's rows on 16-bit weights keep 16-bit caches, as
+    llama.cpp's do (its default f16), while both engines' f32 rows keep f32 caches: the
+    greedy check still compares like with like, and passes."""
+    cfg = bench.BenchConfig(model=tiny_bf16[1], workloads=("edit",), samplings=("greedy",), prompts=1, reps=1,
+                            prompt_tokens=160, new_tokens=12, ngram_ks=(3,), hf=False, profile=False,
+                            llamacpp=source, gguf_types=("f32", "bf16"), llamacpp_ks=(3,), gguf_cache=tmp_path / "gguf",
+                            out=tmp_path / "out", kv_dtype="bfloat16")
+    res = bench.run(cfg, log=lambda s: None)
+    assert res["llamacpp"]["caches"] == {"f32": {"llamacpp": "f32", "specjax": "f32"},
+                                         "bf16": {"llamacpp": "f16", "specjax": "bf16"}}
+    assert res["llamacpp"]["check_passed"]
 
 
 def test_greedy_tokens_on_f32_equal_specjax_and_transformers(bench_run, tiny_bf16):
