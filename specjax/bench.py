@@ -586,6 +586,10 @@ def _summarise(kind: str, sname: str, runs: dict[str, list[dict]]) -> dict[str, 
                 time_split={part: statistics.median(s[part] / s["decode_s"] for s in stats if s["decode_s"])
                             for part in ("propose_s", "verify_s", "host_s")})
         row["same_tokens_as_plain"] = all(r["tokens"] == p["tokens"] for p, r in zip(plain, rs))
+        chain = _chain_of(name, k)
+        if chain in runs:  # a tree or auto row: its speed over the chain's, run by run (adjacent runs)
+            row["over_chain"] = _spread([c["decode_s"] / r["decode_s"] for c, r in zip(runs[chain], rs)
+                                         if r["decode_s"] > 0])
         rows[key] = row
     best = {}
     for method in {r["method"] for r in rows.values()}:
@@ -596,6 +600,16 @@ def _summarise(kind: str, sname: str, runs: dict[str, list[dict]]) -> dict[str, 
                 if r["method"].startswith("hf-") and r["tok_s"]["median"]}
     return {"workload": kind, "sampling": sname, "rows": rows, "best_k": best,
             "our_plain_over_hf": hf_ratio}
+
+
+def _chain_of(method: str, k: str) -> str | None:
+    """The chain row a tree or auto row ("<proposer>-tree" / "-auto") is compared with: the
+    proposer's row at the same k (prompt lookup's own row, whose k the chooser picks); None
+    for other rows."""
+    proposer, dash, shape = method.rpartition("-")
+    if not dash or shape not in ("tree", "auto") or proposer not in TREE_PROPOSERS:
+        return None
+    return "lookup:0" if proposer == "lookup" else f"{proposer}:{k}"
 
 
 def _share(part: int, whole: int) -> float:
@@ -693,21 +707,26 @@ def tree_markdown(results: dict[str, Any]) -> str:
             k = c["best_k"].get(f"{name}-tree")
             if k is None:
                 continue
-            chain = f"{name}:{k}" if name != "lookup" else "lookup:0"
             cols = [c["workload"], c["sampling"], name, str(k) if k else "chosen"]
-            for key in (chain, f"{name}-tree:{k}", f"{name}-auto:{k}"):
+            for key in (_chain_of(f"{name}-tree", str(k)), f"{name}-tree:{k}", f"{name}-auto:{k}"):
                 r = rows[key]
                 cols.append(f"{r['tokens_per_step']:.2f} / {r['speedup']['median']:.2f}x")
+                if "over_chain" in r:
+                    o = r["over_chain"]
+                    cols[-1] += f" / {o['median']:.2f}x ({o['min']:.2f}-{o['max']:.2f})"
             tree, auto = rows[f"{name}-tree:{k}"], rows[f"{name}-auto:{k}"]
             cols += [f"{tree['branched_share']:.0%}", f"{tree['verify_tokens_per_token']:.2f}",
                      f"{auto['tree_share']:.0%}"]
             lines.append("| " + " | ".join(cols) + " |")
     if not lines:
         return ""
-    head = ["workload", "sampling", "proposer", "k", "chain tok/step / speedup", "tree", "auto",
-            "tree: non-first branch taken", "tree: verified per token", "auto: steps on a tree"]
+    head = ["workload", "sampling", "proposer", "k", "chain tok/step / speedup",
+            "tree: tok/step / speedup / over the chain", "auto: the same", "tree: non-first branch taken",
+            "tree: verified per token", "auto: steps on a tree"]
     return ("\nTrees against chains at the same verify width (a tree has at most as many nodes as the chain "
-            "has drafts; \"auto\" drafts whichever shape has held deeper, per row and round):\n\n"
+            "has drafts; \"auto\" drafts whichever shape has held deeper, per row and round). \"Over the chain\" "
+            "is the median of per-run ratios of the chain's decode time to the tree's (each run next to the "
+            "chain's on the same prompt), with their range:\n\n"
             + "| " + " | ".join(head) + " |\n" + "|" + "---|" * len(head) + "\n" + "\n".join(lines) + "\n")
 
 

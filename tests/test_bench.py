@@ -104,6 +104,25 @@ def test_tree_shares_pool_the_runs():
     assert row["tree_share"] == 10 / 40 and row["branched_share"] == 5 / 10
 
 
+def test_trees_are_timed_against_their_chain_run_by_run():
+    """A tree or auto row's over_chain pairs each of its runs with the chain row's run of the
+    same repetition (the chain's decode time over its own); other rows have none."""
+    from specjax.results import Stats
+
+    def run(decode_s):
+        stats = Stats(new_tokens=2, steps=1, verify_s=decode_s).summary()
+        return {"tokens": [1], "tok_s": 1.0, "decode_s": decode_s, "stats": stats}
+
+    runs = {"plain:0": [run(1.0), run(1.0), run(1.0)], "dflash:7": [run(0.2), run(0.4), run(0.3)],
+            "dflash-tree:7": [run(0.1), run(0.5), run(0.2)], "dflash-auto:7": [run(0.2), run(0.4), run(0.3)],
+            "lookup:0": [run(0.5), run(0.5), run(0.5)], "lookup-auto:0": [run(0.25), run(1.0), run(0.5)]}
+    rows = bench._summarise("edit", "greedy", runs)["rows"]
+    assert rows["dflash-tree:7"]["over_chain"] == pytest.approx({"median": 1.5, "min": 0.8, "max": 2.0})
+    assert rows["dflash-auto:7"]["over_chain"] == pytest.approx({"median": 1.0, "min": 1.0, "max": 1.0})
+    assert rows["lookup-auto:0"]["over_chain"] == pytest.approx({"median": 1.0, "min": 0.5, "max": 2.0})
+    assert not any("over_chain" in rows[key] for key in ("plain:0", "dflash:7", "lookup:0"))
+
+
 def test_random_model_profile_runs_on_any_backend():
     """The path `bench` takes on a GPU (a Qwen3-4B-shaped random model), here at a toy shape."""
     shape = dict(bench.QWEN3_4B_SHAPE, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -171,12 +190,15 @@ def test_tree_table_reads_the_rows_it_names():
         return {"tokens_per_step": tps, "speedup": {"median": speed}, "verify_tokens_per_token": 1.5,
                 "tree_share": 0.0, "branched_share": 0.0, **kw}
 
+    over = lambda lo, mid, hi: {"over_chain": {"min": lo, "median": mid, "max": hi}}
     cell = {"workload": "novel", "sampling": "greedy", "best_k": {"dflash-tree": 7, "lookup": 0, "dflash": 4},
             "rows": {"dflash:7": row(1.5, 0.8), "dflash:4": row(1.4, 0.9),
-                     "dflash-tree:7": row(1.9, 1.1, branched_share=0.25, verify_tokens_per_token=2.5),
-                     "dflash-auto:7": row(1.8, 1.05, tree_share=0.5)}}
+                     "dflash-tree:7": row(1.9, 1.1, branched_share=0.25, verify_tokens_per_token=2.5,
+                                          **over(1.2, 1.375, 1.5)),
+                     "dflash-auto:7": row(1.8, 1.05, tree_share=0.5, **over(0.9, 1.3125, 1.4))}}
     table = bench.tree_markdown({"cells": [cell]})
-    assert "| novel | greedy | dflash | 7 | 1.50 / 0.80x | 1.90 / 1.10x | 1.80 / 1.05x | 25% | 2.50 | 50% |" in table
+    assert ("| novel | greedy | dflash | 7 | 1.50 / 0.80x | 1.90 / 1.10x / 1.38x (1.20-1.50) | "
+            "1.80 / 1.05x / 1.31x (0.90-1.40) | 25% | 2.50 | 50% |") in table
     assert bench.tree_markdown({"cells": [{**cell, "best_k": {"dflash": 4}}]}) == ""
 
 
