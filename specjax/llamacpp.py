@@ -270,7 +270,7 @@ def markdown(results: dict[str, Any]) -> str:
              "both, decode tok/s after prefill (medians over runs). `vs llama.cpp plain` is the median of "
              "per-run speed ratios against llama.cpp's plain decoding on the same weights. specjax's q8_0 row is "
              "its int8 weights (`load(dtype=\"int8\")`: llama.cpp's q8_0 blocks, activations kept in f32). "
-             + _caches(info.get("caches", {})), "",
+             + _caches(info["caches"]), "",
              "| workload | weights | engine | method | tok/s | vs llama.cpp plain | tokens = specjax plain |",
              "|---|---|---|---|---|---|---|"]
     yes = {True: "yes", False: "no", None: "–"}
@@ -309,8 +309,6 @@ def markdown(results: dict[str, Any]) -> str:
 
 def _caches(caches: dict[str, dict[str, str | None]]) -> str:
     """The sentence naming each engine's KV cache dtype for each weight type."""
-    if not caches:
-        return ""
     each = lambda engine: ", ".join(f"{c[engine]} with {t} weights" for t, c in caches.items() if c[engine])
     return f"KV caches: llama.cpp {each('llamacpp')}; specjax {each('specjax')} (`--kv-dtype`)."
 
