@@ -708,12 +708,12 @@ def tree_markdown(results: dict[str, Any]) -> str:
             if k is None:
                 continue
             cols = [c["workload"], c["sampling"], name, str(k) if k else "chosen"]
-            for key in (_chain_of(f"{name}-tree", str(k)), f"{name}-tree:{k}", f"{name}-auto:{k}"):
-                r = rows[key]
-                cols.append(f"{r['tokens_per_step']:.2f} / {r['speedup']['median']:.2f}x")
-                if "over_chain" in r:
-                    o = r["over_chain"]
-                    cols[-1] += f" / {o['median']:.2f}x ({o['min']:.2f}-{o['max']:.2f})"
+            chain = rows[_chain_of(f"{name}-tree", str(k))]
+            cols.append(f"{chain['tokens_per_step']:.2f} / {chain['speedup']['median']:.2f}x")
+            for key in (f"{name}-tree:{k}", f"{name}-auto:{k}"):
+                r, o = rows[key], rows[key]["over_chain"]
+                cols.append(f"{r['tokens_per_step']:.2f} / {r['speedup']['median']:.2f}x / {o['median']:.2f}x "
+                            f"({o['min']:.2f}-{o['max']:.2f})")
             tree, auto = rows[f"{name}-tree:{k}"], rows[f"{name}-auto:{k}"]
             cols += [f"{tree['branched_share']:.0%}", f"{tree['verify_tokens_per_token']:.2f}",
                      f"{auto['tree_share']:.0%}"]
