@@ -47,9 +47,20 @@ def block_cost(rows: int, ratio: float, block_size: int) -> np.ndarray:
     return np.full(len(steps.BUCKETS), ratio * tokens_cost(rows * block_size) / tokens_cost(rows))
 
 
+def tree_cost(rows: int, ratio: float, frontier: int, depth: int, feeds: tuple[int, int]) -> np.ndarray:
+    """Prior extra cost per width W of growing a draft model's best tree (`drafters.draft_tree`)
+    of W - 1 nodes at most, `depth` deep at most: a draft step of `frontier` tokens per row
+    for each depth past the first, and, the draft cache keeping none of the tree's nodes,
+    the next round's feed of what the round committed at width feeds[1] instead of feeds[0]."""
+    step = ratio * tokens_cost(rows * frontier) / tokens_cost(rows)
+    refeed = ratio * (tokens_cost(rows * feeds[1]) - tokens_cost(rows * feeds[0])) / tokens_cost(rows)
+    return np.array([max(min(w - 1, depth) - 1, 0) * step + (refeed if w > 2 else 0.0) for w in steps.BUCKETS])
+
+
 def prior_costs(rows: int, extras: list[np.ndarray]) -> np.ndarray:
-    """[2^M, widths] prior step costs of rows x W tokens, for each subset of the M model
-    proposers (bit i: extras[i], that proposer's extra cost per width, is paid)."""
+    """[2^M, widths] prior step costs of rows x W tokens, for each subset of the M step
+    parts beyond the target's verify (bit i: extras[i], that part's extra cost per width,
+    is paid)."""
     plain = prior_width_costs(rows)
     return np.stack([plain + sum((e for i, e in enumerate(extras) if subset >> i & 1), np.zeros_like(plain))
                      for subset in range(1 << len(extras))])

@@ -23,9 +23,9 @@ import numpy as np
 
 from . import steps
 from .checkpoint import weight_bytes
-from .costs import StepCosts, block_cost, chain_cost, prior_costs
+from .costs import StepCosts, block_cost, chain_cost, prior_costs, tree_cost
 from .dflash import Drafter, fit_problems
-from .drafters import DFlashCache, draft_head, draft_tree_slots
+from .drafters import DFlashCache, draft_head, draft_tree_shape, draft_tree_slots
 from .kv import KVCache
 from .lookup import MAX_NGRAM
 from .results import PREFILL_CHUNK, GenerateResult, GenerationError, Stats, token_ids, validate
@@ -33,7 +33,7 @@ from .model import Model
 from .pages import SCRATCH, PageAllocator, PoolError
 from .proposers import ProposerError, check_k, check_ngram, check_tree
 from .qwen3 import head_weight
-from .rounds import SOURCES, SPAN, new_state, prefill_chunk, rounds
+from .rounds import FEEDS, SOURCES, SPAN, new_state, prefill_chunk, rounds
 from .sampling import RowSampling, Sampling
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -214,7 +214,7 @@ class Engine:
         self.sample_drafts = bool(sample_drafts) and (draft is not None or dflash is not None)
         # the model proposers' prior extra step costs (their weight bytes over the target's)
         target_bytes = weight_bytes(model.params)
-        self.model_costs: list[tuple[str, float, int]] = []
+        self.model_costs: list[tuple] = []  # (kind, weight-bytes ratio, shape ...) per part, in subset-bit order
         # a DFlash block is scored by the target's head, or its rows of the draft vocabulary
         self.fhead = None if dflash is None or dflash.vocab is None else draft_head(model.params, cfg, dflash.vocab)
         if draft is not None:
@@ -223,6 +223,9 @@ class Engine:
             head = (head_weight(model.params, cfg) if self.fhead is None else self.fhead[0]).nbytes
             self.model_costs.append(("block", (weight_bytes(dflash.params) + head) / target_bytes,
                                      dflash.config.block_size))
+        if draft is not None and self.spec.nodes and self.k:  # a draft-model tree's draft steps: a part of its own
+            frontier, depth = draft_tree_shape(min(self.spec.nodes, self.compiled_k))
+            self.model_costs.append(("tree", weight_bytes(draft.params) / target_bytes, frontier, depth))
         self.max_batch, self.page_size, self.n_rounds = max_batch, page_size, rounds
         self.join_rounds = max(1, rounds // 4)
         self.max_len = max_len
@@ -514,8 +517,8 @@ class Engine:
         table = self.table[:rows].copy()
         table[idle] = SCRATCH
         key = (rows, sampled, tuple(self.model_costs), self.pages_per_row, self.compiled_k, n_rounds)
-        extras = [chain_cost(ratio) if kind == "chain" else block_cost(rows, ratio, size)
-                  for kind, ratio, size in self.model_costs]
+        extras = [chain_cost(ratio) if kind == "chain" else block_cost(rows, ratio, *shape) if kind == "block"
+                  else tree_cost(rows, ratio, *shape, FEEDS) for kind, ratio, *shape in self.model_costs]
         groups = 1 << len(extras)
         costs = self.costs.setdefault(key, StepCosts(prior_costs(rows, extras).reshape(-1), groups=groups))
         t0 = time.perf_counter()

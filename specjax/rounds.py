@@ -70,6 +70,9 @@ SOURCES = ("lookup", "draft", "dflash")  # where a round's drafts came from (loo
 
 CHAIN, TREE = 0, 1  # the two shapes of a row's drafts, as the "shapes" state indexes them
 SHAPE_PRIOR = 1.0  # prior accepted depth of either shape, worth PSEUDO rounds: a tie (`rounds` breaks it)
+# except a draft model's tree, measured (with the chain it holds) only in the rounds that grow it, whose draft
+# steps cost more than the chain's: its prior has a row try it where a quarter deeper acceptance would pay
+GROWN_PRIOR = 1.25
 
 
 def columns(max_ngram: int) -> int:
@@ -227,8 +230,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     the rounds summed; given: host
     drafts (drafts [R, k], count [R], -1 for rows without) that replace those rows' lookup
     drafts (a proposer written in Python; one round a call); costs [2^M, widths]: t(W) /
-    t(1) of a step of R rows for each subset of the M model proposers present (bit 0 the
-    draft model's chain, then DFlash's block pass); seeds [R]; rs: per-row sampling. With
+    t(1) of a step of R rows for each subset of the M step parts present (bit 0 the
+    draft model's chain, then DFlash's block pass, then a draft model's tree where tree > 0); seeds [R]; rs: per-row sampling. With
     a draft model (dparams, dcfg): dkv its cache over the same page table, dkv.lengths the
     committed tokens it holds (at most size). With a DFlash drafter (fparams, fcfg): fkv its
     state (`drafters.DFlashCache`) over the same page table, fhead the head of its
@@ -248,18 +251,21 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     cumulative log-prob expanded one draft step per depth, run in place of the chain when
     no row takes the chain; its nodes sit at scratch slots of the draft cache, which
     keeps none of them), at most as many nodes as the chain would have drafts (and
-    row_tree). row_auto [R] (with row_tree): rows whose shape the chooser picks each round,
-    per proposer: the tree where the depth its trees held is more than the chain's (for
-    the draft model, whose tree is measured only when grown: at least the chain's)
-    (`_shape_means`), else the chain; rows with sampled model drafts take that proposer's
-    chain (a sampled tree's depth is not decided by the committed tokens).
+    row_tree). A draft-model tree's draft steps are a step kind of their own in costs (the
+    subset bit after the models'): a round grows trees or runs the chain or both as it
+    expects most tokens per second. row_auto [R] (with row_tree): rows whose shape the
+    chooser picks each round, per proposer: the tree where the depth its trees held is more
+    than the chain's (`_shape_means`), for the draft model where the tree is expected to
+    give more tokens per second (more tokens, in a round that runs both), else the chain;
+    rows with sampled model drafts take that proposer's chain (a sampled tree's depth is not
+    decided by the committed tokens).
     Returns (log, nan flag, cache, draft cache, DFlash pools, state); log holds "tokens"
     [n_rounds, R, SPAN], "counts" [n_rounds, R], "drafts" judged [n_rounds, R], "source"
     [n_rounds, R] of those drafts (index into SOURCES; -1: none), "branched" [n_rounds, R]
     (the accepted path left a tree's first continuation), "treed" [n_rounds, R] (the row
     verified a tree) and "width" [n_rounds],
     each round's step kind (width index into steps.BUCKETS plus len(BUCKETS) times the
-    subset of model proposers run; -1: no round).
+    subset of step parts run; -1: no round).
     """
     rows = history.shape[0]
     widths = steps.BUCKETS[:steps.BUCKETS.index(steps.bucket(k + 1)) + 1]
@@ -268,6 +274,9 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     # the model proposers present, in subset-bit order: (name, state column, use column)
     models = [m for m, there in (("draft", dcfg is not None), ("dflash", fcfg is not None)) if there]
     bit = {m: 1 << i for i, m in enumerate(models)}
+    d_nodes = min(tree, k) if dcfg is not None else 0
+    grow_bit = 1 << len(models) if d_nodes else 0  # the subset bit of rounds growing draft-model trees
+    subsets = (1 << len(models)) * (2 if d_nodes else 1)
     column = {"draft": max_ngram + DRAFT_COLUMN, "dflash": max_ngram + DFLASH_COLUMN}
     use_col = {"draft": 1, "dflash": 2}
     codes = jnp.array([0] + [SOURCES.index(m) for m in models], jnp.int32)  # row's src -> SOURCES index
@@ -276,7 +285,6 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
 
     t_nodes = min(tree, k)  # a tree has at most as many nodes as a chain has drafts
     f_nodes = min(tree, fk)
-    d_nodes = t_nodes if dcfg is not None else 0
     sampled_trees = bool(f_nodes or d_nodes) and sample_drafts  # sampled model drafts may branch
 
     wm = widths[-1]  # every branch returns its step padded to the widest width
@@ -347,28 +355,52 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             rate = _rates(state, jnp.full((rows,), column[name], jnp.int32))
             expect[name] = expected_tokens(rate[:, :1], rate[:, 1:],
                                            jnp.minimum(room[None, :], offered[name][:, None]))
-        # per proposer with trees: the rows drafting its tree when it drafts (the rest its chain), and how
-        # much more than the chain's a tree's drafts are expected to hold (the ratio of their measured depths)
+        # per proposer whose tree costs no drafting beyond its chain's (lookup, DFlash): the rows drafting its
+        # tree when it drafts (the rest its chain), and how much more than the chain's a tree's drafts are
+        # expected to hold (the ratio of their measured depths)
         treeing, budgeted = {}, (row_tree > 0) if t_nodes else jnp.zeros(rows, bool)
+        auto = jnp.zeros(rows, bool) if row_auto is None else row_auto
         if t_nodes:
             means = _shape_means(state)
-            auto = jnp.zeros(rows, bool) if row_auto is None else row_auto
-            for name, there in (("lookup", True), ("draft", bool(d_nodes)), ("dflash", bool(f_nodes))):
+            for name, there in (("lookup", True), ("dflash", bool(f_nodes))):
                 if not there:
                     continue
                 j = SOURCES.index(name)
-                # a tie drafts the chain (a tree round costs more), except for the draft model, whose
-                # tree is measured only in rounds that grow it: a tie there (its prior) tries the tree
-                tree_mean, chain_mean = means[:, j, TREE], means[:, j, CHAIN]
-                wins = tree_mean >= chain_mean if name == "draft" else tree_mean > chain_mean
+                tree_mean, chain_mean = means[:, j, TREE], means[:, j, CHAIN]  # a tie drafts the chain
                 may = ~hosted if name == "lookup" else jnp.ones(rows, bool)
-                picked = wins if name == "lookup" else wins & ~drawn  # (a sampled tree's depth is never measured)
-                treeing[name] = budgeted & may & jnp.where(auto, picked, True)
+                picked = tree_mean > chain_mean if name == "lookup" else (tree_mean > chain_mean) & ~drawn
+                treeing[name] = budgeted & may & jnp.where(auto, picked, True)  # (a sampled tree's depth is unmeasured)
                 gain = jnp.where(treeing[name], tree_mean / chain_mean, 1.0)[:, None]
                 if name == "lookup":
                     e_l = 1.0 + (e_l - 1.0) * gain
                 else:
                     expect[name] = 1.0 + (expect[name] - 1.0) * gain
+        # the draft model: rows with sampled drafts and a node budget draft the chain's own tree (no extra
+        # draft step); the others with a budget may grow its best tree, which costs draft steps of its own
+        # (subset bit grow_bit): a row with a fixed budget takes the draft model only in rounds that grow, an auto
+        # row the tree or the chain, by expected tokens per second at the round's costs
+        growable = budgeted & ~drawn & (d_nodes > 0)
+        grown_expect = None
+        if d_nodes:
+            treeing["draft"] = budgeted & drawn & ~auto
+            j = SOURCES.index("draft")
+            grown_expect = 1.0 + (expect["draft"] - 1.0) * (means[:, j, TREE] / means[:, j, CHAIN])[:, None]
+
+        def draft_expect(subset: int) -> jax.Array:
+            """[R, widths] a row's expected tokens from the draft model in a round running `subset`."""
+            chain_e = jnp.where((subset & bit["draft"]) > 0, expect["draft"], 0.0)
+            if not d_nodes:
+                return chain_e
+            chain_e = jnp.where((growable & ~auto)[:, None], 0.0, chain_e)
+            grows = growable[:, None] & ((subset & grow_bit) > 0)
+            return jnp.maximum(chain_e, jnp.where(grows, grown_expect, 0.0))
+
+        def offers(subset: int) -> dict:
+            """[R, widths] each model proposer's expected tokens a row may take in a round running `subset`."""
+            return {name: jnp.where(offered[name][:, None] > 0, draft_expect(subset) if name == "draft"
+                                    else jnp.where((subset & bit[name]) > 0, expect[name], 0.0), 0.0)
+                    for name in models}
+
         first, first_logq, dlen = jnp.zeros(rows, jnp.int32), None, None
         if dcfg is not None:
             dlen = dkv.lengths
@@ -382,31 +414,40 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         if adaptive:
             # expected tokens of the batch per second for each (subset of models, width)
             gains = []
-            for subset in range(1 << len(models)):
+            for subset in range(subsets):
                 e = e_l
-                for name in models:
-                    if subset & bit[name]:
-                        e = jnp.maximum(e, jnp.where(offered[name][:, None] > 0, expect[name], 0.0))
+                for e_m in offers(subset).values():
+                    e = jnp.maximum(e, e_m)
                 gains.append(jnp.sum(e * live[:, None], axis=0))
             gain = jnp.stack(gains) / costs[:, :len(widths)]
             best = jnp.argmax(gain.reshape(-1))
             pick = jnp.where(any_drafts, best % len(widths), 0)
             subset = jnp.where(pick > 0, best // len(widths), 0)
             # each row: the proposer of the chosen subset it expects most tokens from
+            chosen = jax.tree.map(lambda *e: jnp.stack(e)[subset, at, pick], *[offers(s) for s in range(subsets)])
             src, top = jnp.zeros(rows, jnp.int32), e_l[at, pick]
             for j, name in enumerate(models):
-                better = ((subset & bit[name]) > 0) & (offered[name] > 0) & (expect[name][at, pick] > top)
+                better = chosen[name] > top
                 src = jnp.where(better, j + 1, src)
-                top = jnp.where(better, expect[name][at, pick], top)
+                top = jnp.where(better, chosen[name], top)
+            grow_on = (subset & grow_bit) > 0
+            chain_on = (subset & bit.get("draft", 0)) > 0
         else:  # fixed k: the first model a row may use, else lookup; the narrowest width that drafts all
             src = jnp.zeros(rows, jnp.int32)
             for j, name in reversed(list(enumerate(models))):
                 src = jnp.where(offered[name] > 0, j + 1, src)
+            wanted = jnp.max(_by_source(src, [found] + [offered[name] for name in models]))
+            pick = jnp.argmax(room >= wanted)
             subset = jnp.int32(0)
             for j, name in enumerate(models):
                 subset = subset | jnp.where(jnp.any(src == j + 1), bit[name], 0)
-            wanted = jnp.max(_by_source(src, [found] + [offered[name] for name in models]))
-            pick = jnp.argmax(room >= wanted)
+            grow_on = chain_on = jnp.bool_(True)
+            if d_nodes:  # an auto row grows the tree where it expects more tokens per second than from the chain
+                plain = subset & ~bit["draft"]
+                per_second = [jnp.where(growable, grown_expect[at, pick], 0.0) / costs[plain | grow_bit, pick],
+                              expect["draft"][at, pick] / costs[plain | bit["draft"], pick]]
+                grow_on = jnp.where(auto, per_second[0] >= per_second[1], True)
+                subset = jnp.where(jnp.any(growable & grow_on & (src == 1)), subset | grow_bit, subset)
             subset = jnp.where(pick > 0, subset, 0)
         offer = _by_source(src, [found] + [offered[name] for name in models])
         n = jnp.where(pick > 0, jnp.minimum(room[pick], offer), 0)
@@ -425,7 +466,10 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         parents, main = None, jnp.ones((rows, SPAN), bool)
         grown = jnp.zeros(rows, bool)  # rows drafting a draft-model best tree (greedy drafts)
         if d_nodes:  # the draft model's best tree (`drafters.draft_tree`), as deep as the deepest row needs
-            grown = treeing["draft"] & ~drawn & (src == 1) & (n > 0)
+            if adaptive:  # an auto row in a round running both: the shape it expects more tokens from
+                grow_on = grow_on & (~auto | ~chain_on | (grown_expect[at, pick] >= expect["draft"][at, pick]))
+            grown = growable & grow_on & (src == 1) & (n > 0)
+            treeing["draft"] = treeing["draft"] | grown
             deepest = jnp.max(jnp.where(grown, jnp.minimum(jnp.minimum(room[pick], offered["draft"]), row_tree), 0))
             (draft_ranked, greedy, greedy_n), dkv = steps.switch(jnp.any(grown).astype(jnp.int32), [no_grow, grow],
                                                                  dkv, logits, size, jnp.maximum(deepest - 1, 0))
@@ -496,6 +540,9 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                                           + jnp.zeros((rows, 1), jnp.int32)], axis=1)[:, :k]
                 node_q = jnp.take_along_axis(logqs[-1], jnp.minimum(rows_q, k - 1)[:, :, None], axis=1)
                 logqs[-1] = jnp.where(treed[:, None, None], node_q, logqs[-1])
+        # the step kind run: the chosen subset, its draft-model bits as the round ran them
+        kind = subset & ~(bit.get("draft", 0) | grow_bit) | jnp.where(chained, bit.get("draft", 0), 0) | jnp.where(
+            jnp.any(grown), grow_bit, 0)
         (tokens, positions, own, nan, tapped), (kv, scratch) = steps.switch(
             pick, [branch(w) for w in widths], (kv, scratch), last, _by_source(src, candidates), parents)
         out, count, path, scratch = _commit(scratch if sampled else None, tokens, positions, own,
@@ -545,17 +592,13 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 ready = ready & (count > 0)
                 state = _fold_shapes(state, SOURCES.index(name), _held(c_drafts, c_n, out, count), ready,
                                      _tree_held(t_drafts, t_parents, t_n, out, count), ready)
-            if d_nodes:
-                alone = budgeted & ~drawn & chained & ~grown & (model_n > 0) & (count > 0)
-                state = _fold_shapes(state, SOURCES.index("draft"), _held(model_drafts, model_n, out, count), alone,
-                                     jnp.zeros(rows, jnp.int32), jnp.zeros(rows, bool))
         history = jax.vmap(lambda h, o, s: jax.lax.dynamic_update_slice(h, o, (s,)))(history, out, size)
         committed = jnp.arange(SPAN)[None, :] < count[:, None]
         stopped = stopped | jnp.any(committed[:, :, None] & (out[:, :, None] == stops[:, None, :]), axis=(1, 2))
         kv = kv.replace(lengths=kv.lengths + count)
         log = {"tokens": log["tokens"].at[i].set(out), "counts": log["counts"].at[i].set(count),
                "drafts": log["drafts"].at[i].set(jnp.where(count > 0, n, 0)),
-               "width": log["width"].at[i].set(pick + subset * len(steps.BUCKETS)),
+               "width": log["width"].at[i].set(pick + kind * len(steps.BUCKETS)),
                "source": log["source"].at[i].set(jnp.where(n > 0, codes[src], -1)),
                "branched": log["branched"].at[i].set(branched),
                "treed": log["treed"].at[i].set(verified & (count > 0))}
@@ -581,7 +624,8 @@ def _shape_means(state: dict) -> jax.Array:
     """[R, SOURCES, (CHAIN, TREE)] the mean depth of each shape of a row's drafts per
     proposer that the committed tokens held (SHAPE_PRIOR before any round)."""
     sums = state["shapes"]
-    return (sums[..., 0] + SHAPE_PRIOR * PSEUDO) / (sums[..., 1] + PSEUDO)
+    prior = jnp.full(sums.shape[1:3], SHAPE_PRIOR).at[SOURCES.index("draft"), TREE].set(GROWN_PRIOR)
+    return (sums[..., 0] + prior * PSEUDO) / (sums[..., 1] + PSEUDO)
 
 
 def _fold_shapes(state: dict, source: int, chain: jax.Array, chain_known: jax.Array, tree: jax.Array,

@@ -18,6 +18,9 @@ from specjax import kv as kvlib
 from specjax.drafters import draft_tree, draft_tree_shape
 from specjax.engine import Engine, Speculation, engine_options
 from specjax.proposers import DraftProposer, NgramProposer, ProposerError
+from specjax.rounds import new_state, rounds
+from specjax.sampling import RowSampling
+from specjax.steps import BUCKETS
 from conftest import hf_tiny
 
 NOISE = 0.3  # the draft: the target's weights plus this much of each tensor's spread in noise
@@ -318,3 +321,45 @@ def test_sampled_draft_tree_rule_follows_the_target_law():
     assert 0 < (accepted >= 1).mean() < 1
     assert stats.chisquare(counts.sum(1), law.sum(1) * rows).pvalue > 1e-4
     assert stats.chisquare(counts.ravel(), law.ravel() * rows).pvalue > 1e-4
+
+
+def _grow_round(pair, costs, auto: list[bool], adaptive: bool) -> tuple[list[bool], int]:
+    """One round of the engine's device call (k = 7, a node budget of 7, draft-model drafts
+    only) over two rows of 12 committed tokens at the given step costs [plain, chain, tree,
+    both] x widths 1, 2, 4, 8; returns which rows verified a tree and the step kind run."""
+    target, draft = pair
+    rows, pages = 2, 4
+    history = np.zeros((rows, 64), np.int32)
+    history[:, :12] = np.random.default_rng(5).integers(1, target.config.vocab_size, (rows, 12))
+    size = np.full(rows, 12, np.int32)
+    table = 1 + np.arange(rows * pages, dtype=np.int32).reshape(rows, pages)
+
+    def cache(cfg, lengths):
+        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, rows * pages + 1, 16, cfg.head_dim)
+        return kvlib.KVCache(jnp.zeros(shape), jnp.zeros(shape), jnp.asarray(table), jnp.asarray(lengths), page_size=16)
+
+    log, *_ = rounds(target.params, target.config, cache(target.config, size - 1), jnp.asarray(history),
+                     jnp.asarray(size), jnp.full(rows, 8, jnp.int32), jnp.full((rows, 8), -1, jnp.int32),
+                     jnp.full(rows, 7, jnp.int32), jnp.asarray([[False, True, False]] * rows),
+                     new_state(rows, 3), jnp.asarray(costs, jnp.float32), jnp.arange(rows, dtype=jnp.uint32),
+                     RowSampling.of([Sampling()] * rows), draft.params, cache(draft.config, np.zeros(rows, np.int32)),
+                     row_tree=jnp.full(rows, 7, jnp.int32), row_auto=jnp.asarray(auto), dcfg=draft.config, k=7,
+                     max_ngram=3, min_ngram=1, n_rounds=1, sampled=False, adaptive=adaptive, tree=7)
+    return np.asarray(log["treed"])[0].tolist(), int(np.asarray(log["width"])[0]) // len(BUCKETS)
+
+
+def test_a_tree_grows_where_its_draft_steps_pay(pair):
+    """A draft-model tree's draft steps are a step kind of their own: at a tree round's cost
+    equal to a chain round's, auto rows (whose tree's prior depth beats the chain's) grow
+    trees; at a much higher one they draft chains, in the chooser's rounds and in fixed-k
+    ones; a row with a node budget takes the draft model only as its tree."""
+    plain = np.array([1.0, 1.1, 1.2, 1.5])
+    chain = plain + 0.05 * np.array([0, 0, 2, 6])
+    cheap = np.stack([plain, chain, chain, chain + 0.3])
+    dear = np.stack([plain, chain, chain + 5.0, chain + 5.0])
+    for adaptive in (True, False):
+        assert _grow_round(pair, cheap, [True, True], adaptive) == ([True, True], 2)
+        assert _grow_round(pair, dear, [True, True], adaptive) == ([False, False], 1)
+        assert _grow_round(pair, cheap, [False, False], adaptive) == ([True, True], 2)
+    assert _grow_round(pair, dear, [False, True], True) == ([False, False], 1)  # the budget row: a plain step
+    assert _grow_round(pair, dear, [False, True], False) == ([True, False], 3)  # fixed k: both kinds run
