@@ -47,14 +47,13 @@ def block_cost(rows: int, ratio: float, block_size: int) -> np.ndarray:
     return np.full(len(steps.BUCKETS), ratio * tokens_cost(rows * block_size) / tokens_cost(rows))
 
 
-def tree_cost(rows: int, ratio: float, frontier: int, depth: int, feeds: tuple[int, int]) -> np.ndarray:
+def tree_cost(rows: int, ratio: float, frontier: int, depth: int) -> np.ndarray:
     """Prior extra cost per width W of growing a draft model's best tree (`drafters.draft_tree`)
     of W - 1 nodes at most, `depth` deep at most: a draft step of `frontier` tokens per row
-    for each depth past the first, and, the draft cache keeping none of the tree's nodes,
-    the next round's feed of what the round committed at width feeds[1] instead of feeds[0]."""
+    for each depth past the first, each `ratio` (the draft's weight bytes over the target's)
+    of a target step of as many tokens."""
     step = ratio * tokens_cost(rows * frontier) / tokens_cost(rows)
-    refeed = ratio * (tokens_cost(rows * feeds[1]) - tokens_cost(rows * feeds[0])) / tokens_cost(rows)
-    return np.array([max(min(w - 1, depth) - 1, 0) * step + (refeed if w > 2 else 0.0) for w in steps.BUCKETS])
+    return np.array([max(min(w - 1, depth) - 1, 0) * step for w in steps.BUCKETS])
 
 
 def prior_costs(rows: int, extras: list[np.ndarray]) -> np.ndarray:

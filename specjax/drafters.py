@@ -167,7 +167,7 @@ def draft_tree(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, logits: jax.Arr
     tokens, its ancestors and itself (`qwen3.hidden_states` with ancestor bits), and each
     frontier node's top K tokens become the next depth's K * K candidates. The frontier of
     depth l is written at slots size + (l - 1) K + j (j < K), which later rounds
-    overwrite (the caller keeps none of them). Every candidate is then ranked by its
+    overwrite but for the accepted path's (`tree_kept`). Every candidate is then ranked by its
     cumulative log-probability; a child adds a log-prob <= 0 to its parent's and comes
     later in candidate order, which breaks ties, so a node never ranks above its parent
     and any first n of the ranking is a tree (`trees.arrange` lays it out). "main" marks
@@ -176,7 +176,9 @@ def draft_tree(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, logits: jax.Arr
 
     Returns ({"token", "parent" (candidate index, the root 0), "trie", "depth", "main",
     "valid"} each [R, min(nodes, candidates)], over `draft_tree_capacity(nodes)` entries;
-    the greedy chain [R, D]; its length among the candidates [R]; the draft cache)."""
+    the greedy chain [R, D]; its length among the candidates [R]; the fed nodes (tokens
+    [R, D - 1, K] of each depth's slots, -1 where none was fed, and the slot of each one's
+    parent at the depth before, for `tree_kept`); the draft cache)."""
     rows = logits.shape[0]
     width, depth = draft_tree_shape(nodes)
     count = draft_tree_capacity(nodes) - 1
@@ -192,9 +194,11 @@ def draft_tree(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, logits: jax.Arr
     lane = jnp.arange(width)
 
     def level(l, c):
-        dkv, token, score, parent, main, frontier, above = c
+        dkv, token, score, parent, main, frontier, above, fed, up = c
         at = size + (l - 1) * width  # this depth's slots
         own = above | jnp.left_shift(jnp.uint32(1), ((l - 1) * width + lane).astype(jnp.uint32))[None, :]
+        fed = jax.lax.dynamic_update_slice_in_dim(fed, jnp.take_along_axis(token, frontier, axis=1)[:, None], l - 1,
+                                                  axis=1)
         h, dkv, _ = hidden_states(dparams, dcfg, jnp.take_along_axis(token, frontier, axis=1),
                                   jnp.broadcast_to((size + l - 1)[:, None], (rows, width)), dkv,
                                   sees=at[:, None] + lane, ancestors=jax.lax.bitcast_convert_type(own, jnp.int32),
@@ -208,11 +212,15 @@ def draft_tree(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, logits: jax.Arr
         parent = put(parent, jnp.repeat(frontier, width, axis=1))
         main = put(main, (jnp.take_along_axis(main, frontier, axis=1)[:, :, None] & (lane == 0)).reshape(rows, -1))
         _, best = jax.lax.top_k(scores, width)  # the next frontier, and its ancestors: its parents' and theirs
+        up = jax.lax.dynamic_update_slice_in_dim(up, (best // width).astype(jnp.int32)[:, None], l, axis=1)
         return (dkv, token, score, parent, main, first + best.astype(jnp.int32),
-                jnp.take_along_axis(own, best // width, axis=1))
+                jnp.take_along_axis(own, best // width, axis=1), fed, up)
 
-    carry = (dkv, token, score, parent, main, frontier, above)
-    dkv, token, score, parent, main, _, _ = jax.lax.fori_loop(1, 1 + jnp.minimum(levels, depth - 1), level, carry)
+    fed = jnp.full((rows, depth - 1, width), -1, jnp.int32)  # the tokens fed at each depth's slots (-1: none)
+    up = jnp.full((rows, depth, width), -1, jnp.int32)  # each fed node's parent among the depth before's slots
+    carry = (dkv, token, score, parent, main, frontier, above, fed, up)
+    dkv, token, score, parent, main, _, _, fed, up = jax.lax.fori_loop(1, 1 + jnp.minimum(levels, depth - 1), level,
+                                                                       carry)
     best, pick = jax.lax.top_k(score, min(nodes, count))  # ties: the lower index, so a parent first
     take = lambda x: jnp.take_along_axis(x, pick, axis=1)  # noqa: E731
     ranked = {"token": take(token), "parent": take(parent) + 1, "trie": (pick + 1).astype(jnp.int32),
@@ -220,7 +228,27 @@ def draft_tree(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, logits: jax.Arr
     by_depth = jnp.asarray(cand_depth[:, None] == np.arange(1, depth + 1)[None, :], jnp.int32)  # [C, D]
     on_chain = (main & (score > -jnp.inf)).astype(jnp.int32)
     greedy = jnp.einsum("rc,cd->rd", on_chain * token, by_depth)
-    return ranked, greedy, jnp.sum(on_chain, axis=1).astype(jnp.int32), dkv
+    return ranked, greedy, jnp.sum(on_chain, axis=1).astype(jnp.int32), (fed, up[:, :depth - 1]), dkv
+
+
+def tree_kept(fed: tuple[jax.Array, jax.Array], out: jax.Array, count: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """How much of a round's committed tokens out[:, :count] [R, >= D] a draft-model tree's
+    fed nodes hold (`draft_tree`'s fed tokens and their parents' slots [R, D - 1, K]): the
+    accepted drafts, from the first, while each is the fed child of the one before (never
+    the newest token, which was not drafted). Returns (kept [R], slots [R, D - 1]: the
+    offset past the committed tokens where the kept draft of each depth sits, else the
+    depth's own offset, so that `rounds.compact_paths` moves the kept ones into place)."""
+    tokens, up = fed
+    rows, levels, width = tokens.shape
+    kept, lane = jnp.zeros(rows, jnp.int32), jnp.full(rows, -1, jnp.int32)
+    slots, going = [], jnp.ones(rows, bool)
+    for d in range(levels):
+        match = (tokens[:, d] == out[:, d:d + 1]) & ((up[:, d] == lane[:, None]) if d else True)
+        going = going & jnp.any(match, axis=1) & (d + 1 < count)
+        lane = jnp.where(going, jnp.argmax(match, axis=1).astype(jnp.int32), lane)
+        kept = kept + going
+        slots.append(jnp.where(going, d * width + lane, d))
+    return kept, jnp.stack(slots, axis=1)
 
 
 def draft_sampled_tree(drafts: jax.Array, logq: jax.Array, size: jax.Array, seeds: jax.Array, nodes: jax.Array,

@@ -33,7 +33,7 @@ from .model import Model
 from .pages import SCRATCH, PageAllocator, PoolError
 from .proposers import ProposerError, check_k, check_ngram, check_tree
 from .qwen3 import head_weight
-from .rounds import FEEDS, SOURCES, SPAN, new_state, prefill_chunk, rounds
+from .rounds import SOURCES, SPAN, new_state, prefill_chunk, rounds
 from .sampling import RowSampling, Sampling
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -518,7 +518,7 @@ class Engine:
         table[idle] = SCRATCH
         key = (rows, sampled, tuple(self.model_costs), self.pages_per_row, self.compiled_k, n_rounds)
         extras = [chain_cost(ratio) if kind == "chain" else block_cost(rows, ratio, *shape) if kind == "block"
-                  else tree_cost(rows, ratio, *shape, FEEDS) for kind, ratio, *shape in self.model_costs]
+                  else tree_cost(rows, ratio, *shape) for kind, ratio, *shape in self.model_costs]
         groups = 1 << len(extras)
         costs = self.costs.setdefault(key, StepCosts(prior_costs(rows, extras).reshape(-1), groups=groups))
         t0 = time.perf_counter()

@@ -22,8 +22,8 @@ One round, for every row at once:
    rejection sampling without replacement, `tree_accept.accept_tree_rows`, the same on
    chains). A row with a tree budget drafts a tree instead of a chain: lookup rows the
    trie of their matches, draft-model rows with greedy drafts the model's best nodes by
-   cumulative log-probability (EAGLE-2; a tree round keeps none of its fed drafts in the
-   draft cache, whose next feed re-feeds what was committed) and with sampled drafts the
+   cumulative log-probability (EAGLE-2; the draft cache keeps the fed nodes of the
+   accepted path, `drafters.tree_kept`, and the next feed feeds the rest) and with sampled drafts the
    chain plus second children (`drafters.draft_sampled_tree`, from the chain's own steps'
    q; the cache keeps the spine's committed prefix, as a chain's), DFlash rows the block's
    best tree (deterministic drafts) or,
@@ -54,7 +54,7 @@ from .checkpoint import Params
 from .config import Qwen3Config
 from .dflash import MARKOV, DFlashConfig
 from .drafters import (DFlashCache, Head, block_drafts, chain, draft_sampled_tree, draft_token, draft_tree,
-                       draft_tree_capacity, feed, sampled_tree, stash, tree_capacity)
+                       draft_tree_capacity, feed, sampled_tree, stash, tree_capacity, tree_kept)
 from .kv import KVCache, write_layer
 from .lookup import (ACCEPT_DECAY, PRIOR_ACCEPT, PSEUDO, capacity, continuation, expected_tokens, find, matches,
                      tree as lookup_tree)
@@ -249,8 +249,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     shape over the chain's draws (`drafters.draft_sampled_tree`), and a row taking greedy
     draft-model drafts the draft model's best tree (`drafters.draft_tree`, EAGLE-2: a frontier of the best nodes by
     cumulative log-prob expanded one draft step per depth, run in place of the chain when
-    no row takes the chain; its nodes sit at scratch slots of the draft cache, which
-    keeps none of them), at most as many nodes as the chain would have drafts (and
+    no row takes the chain; its nodes sit at scratch slots of the draft cache, whose
+    accepted path's are then moved into place), at most as many nodes as the chain would have drafts (and
     row_tree). A draft-model tree's draft steps are a step kind of their own in costs (the
     subset bit after the models'): a round grows trees or runs the chain or both as it
     expects most tokens per second. row_auto [R] (with row_tree): rows whose shape the
@@ -319,8 +319,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), fkv
 
     def grow(dkv, logits, size, levels):
-        ranked, greedy, greedy_n, dkv = draft_tree(dparams, dcfg, dkv, logits, size, d_nodes, levels)
-        return (ranked, greedy, greedy_n), dkv
+        ranked, greedy, greedy_n, fed, dkv = draft_tree(dparams, dcfg, dkv, logits, size, d_nodes, levels)
+        return (ranked, greedy, greedy_n, fed), dkv
 
     def no_grow(dkv, logits, size, levels):
         shapes = jax.eval_shape(grow, dkv, logits, size, levels)[0]
@@ -471,7 +471,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             grown = growable & grow_on & (src == 1) & (n > 0)
             treeing["draft"] = treeing["draft"] | grown
             deepest = jnp.max(jnp.where(grown, jnp.minimum(jnp.minimum(room[pick], offered["draft"]), row_tree), 0))
-            (draft_ranked, greedy, greedy_n), dkv = steps.switch(jnp.any(grown).astype(jnp.int32), [no_grow, grow],
+            (draft_ranked, greedy, greedy_n, fed_nodes), dkv = steps.switch(jnp.any(grown).astype(jnp.int32), [no_grow, grow],
                                                                  dkv, logits, size, jnp.maximum(deepest - 1, 0))
         built, verified = {}, jnp.zeros(rows, bool)  # trees the committed tokens will judge; rows verifying one
         chained = False
@@ -570,12 +570,18 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 model_n = jnp.where(grown, jnp.minimum(jnp.minimum(room[pick], limit), greedy_n), model_n)
             state = _score(state, jnp.full((rows,), column["draft"], jnp.int32), model_drafts, model_n, out, count,
                            jnp.where(model_n > 0, ACCEPT_DECAY, 1.0))
-            # the draft cache keeps the chain's fed drafts that were committed (never the newest token); a tree
-            # row keeps none (its nodes sit at scratch slots), so the next feed (<= SPAN tokens) re-feeds them
+            # the draft cache keeps the chain's fed drafts that were committed (never the newest token), and a
+            # tree row the fed nodes of its accepted path, moved from their slots into place, where no chain
+            # ran; the next feed (<= SPAN tokens) feeds the rest
             agree = jnp.sum(jnp.cumprod((model_drafts == out[:, :model_drafts.shape[1]]).astype(jnp.int32),
                                         axis=1), axis=1)
             fed = jnp.where(chained & ~grown, jnp.minimum(room[pick], k) - 1, 0)
             kept = jnp.minimum(jnp.minimum(agree, fed), jnp.maximum(count - 1, 0))
+            if d_nodes:  # (a round that also ran the chain wrote its drafts over every row's tree slots)
+                in_tree, slots = tree_kept(fed_nodes, out, count)
+                in_tree = jnp.where(grown & ~chained, in_tree, 0)
+                dkv = compact_paths(dkv.replace(lengths=size), slots, in_tree)
+                kept = jnp.where(grown, in_tree, kept)
             dkv = dkv.replace(lengths=jnp.where(count > 0, size + kept, dlen))
         if fcfg is not None:  # a pass's drafts are judged for every row that may take them
             block_n = jnp.where(((subset & bit["dflash"]) > 0) & live, jnp.minimum(offered["dflash"], judged), 0)

@@ -120,7 +120,7 @@ def test_expansion_matches_a_best_first_rederivation(pair):
             tokens[i, :len(p)] = p
         h, kv, _ = qwen3.hidden_states(params, cfg, jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(16), (2, 16)), kv)
         logits = qwen3.unembed(params, cfg, h[np.arange(2), sizes - 1])
-        ranked, greedy, greedy_n, _ = jax.jit(draft_tree, static_argnames=("dcfg", "nodes"))(
+        ranked, greedy, greedy_n, _, _ = jax.jit(draft_tree, static_argnames=("dcfg", "nodes"))(
             params, dcfg=cfg, dkv=kv, logits=logits, size=jnp.asarray(sizes), nodes=nodes, levels=jnp.int32(99))
         for r, p in enumerate(prompts):
             def next_lp(path, p=p):
@@ -363,3 +363,56 @@ def test_a_tree_grows_where_its_draft_steps_pay(pair):
         assert _grow_round(pair, cheap, [False, False], adaptive) == ([True, True], 2)
     assert _grow_round(pair, dear, [False, True], True) == ([False, False], 1)  # the budget row: a plain step
     assert _grow_round(pair, dear, [False, True], False) == ([True, False], 3)  # fixed k: both kinds run
+
+
+def test_tree_kept_is_the_longest_fed_path_the_round_committed():
+    """`drafters.tree_kept` against paths followed node by node: random fed frontiers (3
+    depths of 3 slots, tokens from 4 so paths collide, some depths not fed) and committed
+    tokens that follow a fed path for a while; kept is the deepest fed node whose path from
+    the root is a prefix of the accepted drafts (never the newest token), and each kept
+    depth's slot that node's ancestor's."""
+    from specjax.drafters import tree_kept
+
+    rng = np.random.default_rng(0)
+    rows, levels, width = 64, 3, 3
+    tokens = rng.integers(0, 4, (rows, levels, width)).astype(np.int32)
+    up = np.full((rows, levels, width), -1, np.int32)
+    up[:, 1:] = rng.integers(0, width, (rows, levels - 1, width))
+    for r in range(rows):
+        tokens[r, 1:][:, 0] = np.where(rng.random(levels - 1) < 0.1, -1, tokens[r, 1:][:, 0])
+        for d in range(1, levels):
+            if rng.random() < 0.15:
+                tokens[r, d:] = -1
+        for d in range(levels):  # siblings (same parent slot) are distinct tokens
+            for j in range(width):
+                same = [i for i in range(j) if up[r, d, i] == up[r, d, j] and tokens[r, d, i] == tokens[r, d, j]]
+                if same and tokens[r, d, j] >= 0:
+                    tokens[r, d, j] = 4 + j
+    out = rng.integers(0, 4, (rows, 8)).astype(np.int32)
+    for r in range(rows):  # follow a random fed path for a random number of depths
+        lane, depth = rng.integers(0, width), rng.integers(0, levels + 1)
+        path = []
+        for d in range(levels - 1, -1, -1):
+            path.append((d, lane))
+            lane = up[r, d, lane] if d else lane
+        path = path[::-1]
+        for d, lane in path[:depth]:
+            out[r, d] = tokens[r, d, lane] if tokens[r, d, lane] >= 0 else out[r, d]
+    count = rng.integers(1, 6, rows).astype(np.int32)
+    kept, slots = tree_kept((jnp.asarray(tokens), jnp.asarray(up)), jnp.asarray(out), jnp.asarray(count))
+    for r in range(rows):
+        want, want_slots = 0, list(range(levels))
+        for d in range(levels):
+            for j in range(width):
+                chain, at = [], (d, j)
+                while True:  # the node's path from the root, following parent slots
+                    chain.append(at)
+                    if at[0] == 0:
+                        break
+                    at = (at[0] - 1, int(up[r, at[0], at[1]]))
+                chain = chain[::-1]
+                toks = [int(tokens[r, dd, jj]) for dd, jj in chain]
+                if -1 not in toks and d + 1 <= count[r] - 1 and toks == out[r, :d + 1].tolist() and d + 1 > want:
+                    want, want_slots = d + 1, [dd * width + jj for dd, jj in chain] + list(range(d + 1, levels))
+        assert int(kept[r]) == want, r
+        assert np.asarray(slots[r]).tolist() == want_slots, r
