@@ -46,9 +46,8 @@ def test_top_k_ints_is_a_stable_descending_sort(rng):
         np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(x, order, axis=-1))
 
 
-@pytest.mark.parametrize("k", [2, 15])
-def test_greedy_and_sampled_equal_plain(cyclic_target, tiny, rng, k):
-    prop = specjax.Adaptive(specjax.NgramProposer(k=k))  # prompt lookup, k chosen per step
+def test_greedy_and_sampled_equal_plain(cyclic_target, tiny, rng):
+    prop = specjax.Adaptive(specjax.NgramProposer(k=15))  # prompt lookup, k chosen per step (any of 0 .. 15)
     for model in (cyclic_target, tiny[2]):
         ids = repeating_prompt(rng, model.config.vocab_size)
         for sampling in (Sampling(), SAMPLED):
