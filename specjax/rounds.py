@@ -23,7 +23,8 @@ One round, for every row at once:
    chains). A row with a tree budget drafts a tree instead of a chain: lookup rows the
    trie of their matches, draft-model rows with greedy drafts the model's best nodes by
    cumulative log-probability (EAGLE-2; the draft cache keeps the fed nodes of the
-   accepted path, `drafters.tree_kept`, and the next feed feeds the rest) and with sampled drafts the
+   accepted path, `drafters.tree_kept`, and the next feed feeds the rest) and with
+   sampled drafts the
    chain plus second children (`drafters.draft_sampled_tree`, from the chain's own steps'
    q; the cache keeps the spine's committed prefix, as a chain's), DFlash rows the block's
    best tree (deterministic drafts) or,
@@ -231,7 +232,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     drafts (drafts [R, k], count [R], -1 for rows without) that replace those rows' lookup
     drafts (a proposer written in Python; one round a call); costs [2^M, widths]: t(W) /
     t(1) of a step of R rows for each subset of the M step parts present (bit 0 the
-    draft model's chain, then DFlash's block pass, then a draft model's tree where tree > 0); seeds [R]; rs: per-row sampling. With
+    draft model's chain, then DFlash's block pass, then a draft model's tree where
+    tree > 0); seeds [R]; rs: per-row sampling. With
     a draft model (dparams, dcfg): dkv its cache over the same page table, dkv.lengths the
     committed tokens it holds (at most size). With a DFlash drafter (fparams, fcfg): fkv its
     state (`drafters.DFlashCache`) over the same page table, fhead the head of its
@@ -250,8 +252,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     draft-model drafts the draft model's best tree (`drafters.draft_tree`, EAGLE-2: a frontier of the best nodes by
     cumulative log-prob expanded one draft step per depth, run in place of the chain when
     no row takes the chain; its nodes sit at scratch slots of the draft cache, whose
-    accepted path's are then moved into place), at most as many nodes as the chain would have drafts (and
-    row_tree). A draft-model tree's draft steps are a step kind of their own in costs (the
+    accepted path's are then moved into place), at most as many nodes as the chain would
+    have drafts (and row_tree). A draft-model tree's draft steps are a step kind of their own in costs (the
     subset bit after the models'): a round grows trees or runs the chain or both as it
     expects most tokens per second. row_auto [R] (with row_tree): rows whose shape the
     chooser picks each round, per proposer: the tree where the depth its trees held is more
@@ -377,8 +379,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                     expect[name] = 1.0 + (expect[name] - 1.0) * gain
         # the draft model: rows with sampled drafts and a node budget draft the chain's own tree (no extra
         # draft step); the others with a budget may grow its best tree, which costs draft steps of its own
-        # (subset bit grow_bit): a row with a fixed budget takes the draft model only in rounds that grow, an auto
-        # row the tree or the chain, by expected tokens per second at the round's costs
+        # (subset bit grow_bit): a row with a fixed budget takes the draft model only in rounds that grow, an
+        # auto row the tree or the chain, by expected tokens per second at the round's costs
         growable = budgeted & ~drawn & (d_nodes > 0)
         grown_expect = None
         if d_nodes:
@@ -471,8 +473,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             grown = growable & grow_on & (src == 1) & (n > 0)
             treeing["draft"] = treeing["draft"] | grown
             deepest = jnp.max(jnp.where(grown, jnp.minimum(jnp.minimum(room[pick], offered["draft"]), row_tree), 0))
-            (draft_ranked, greedy, greedy_n, fed_nodes), dkv = steps.switch(jnp.any(grown).astype(jnp.int32), [no_grow, grow],
-                                                                 dkv, logits, size, jnp.maximum(deepest - 1, 0))
+            (draft_ranked, greedy, greedy_n, fed_nodes), dkv = steps.switch(
+                jnp.any(grown).astype(jnp.int32), [no_grow, grow], dkv, logits, size, jnp.maximum(deepest - 1, 0))
         built, verified = {}, jnp.zeros(rows, bool)  # trees the committed tokens will judge; rows verifying one
         chained = False
         if dcfg is not None:  # its chain, once before the step, when the round uses it and some row takes it
