@@ -415,10 +415,10 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         at = jnp.arange(rows)
         if adaptive:
             # expected tokens of the batch per second for each (subset of models, width)
-            gains = []
-            for subset in range(subsets):
+            gains, offered_by = [], [offers(s) for s in range(subsets)]
+            for by_model in offered_by:
                 e = e_l
-                for e_m in offers(subset).values():
+                for e_m in by_model.values():
                     e = jnp.maximum(e, e_m)
                 gains.append(jnp.sum(e * live[:, None], axis=0))
             gain = jnp.stack(gains) / costs[:, :len(widths)]
@@ -426,7 +426,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             pick = jnp.where(any_drafts, best % len(widths), 0)
             subset = jnp.where(pick > 0, best // len(widths), 0)
             # each row: the proposer of the chosen subset it expects most tokens from
-            chosen = jax.tree.map(lambda *e: jnp.stack(e)[subset, at, pick], *[offers(s) for s in range(subsets)])
+            chosen = jax.tree.map(lambda *e: jnp.stack(e)[subset, at, pick], *offered_by)
             src, top = jnp.zeros(rows, jnp.int32), e_l[at, pick]
             for j, name in enumerate(models):
                 better = chosen[name] > top
