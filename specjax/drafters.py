@@ -197,9 +197,9 @@ def draft_tree(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, logits: jax.Arr
         dkv, token, score, parent, main, frontier, above, fed, up = c
         at = size + (l - 1) * width  # this depth's slots
         own = above | jnp.left_shift(jnp.uint32(1), ((l - 1) * width + lane).astype(jnp.uint32))[None, :]
-        fed = jax.lax.dynamic_update_slice_in_dim(fed, jnp.take_along_axis(token, frontier, axis=1)[:, None], l - 1,
-                                                  axis=1)
-        h, dkv, _ = hidden_states(dparams, dcfg, jnp.take_along_axis(token, frontier, axis=1),
+        feeding = jnp.take_along_axis(token, frontier, axis=1)
+        fed = jax.lax.dynamic_update_slice_in_dim(fed, feeding[:, None], l - 1, axis=1)
+        h, dkv, _ = hidden_states(dparams, dcfg, feeding,
                                   jnp.broadcast_to((size + l - 1)[:, None], (rows, width)), dkv,
                                   sees=at[:, None] + lane, ancestors=jax.lax.bitcast_convert_type(own, jnp.int32),
                                   at=at, base=size)
