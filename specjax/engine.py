@@ -522,22 +522,20 @@ class Engine:
         groups = 1 << len(extras)
         costs = self.costs.setdefault(key, StepCosts(prior_costs(rows, extras).reshape(-1), groups=groups))
         t0 = time.perf_counter()
-        kv = KVCache(self.k_pool, self.v_pool, jnp.asarray(table), jnp.asarray(np.maximum(size - 1, 0)),
-                     page_size=self.page_size)
+        kv = KVCache(self.k_pool, self.v_pool, table, np.maximum(size - 1, 0), page_size=self.page_size)
         d = self.draft
-        dkv = None if d is None else KVCache(self.dk_pool, self.dv_pool, jnp.asarray(table), jnp.asarray(dlen),
+        dkv = None if d is None else KVCache(self.dk_pool, self.dv_pool, table.copy(), dlen,
                                              page_size=self.page_size)
         log, bad, kv, dkv, fkv, state = rounds(
-            m.params, m.config, kv, jnp.asarray(self.history[:rows]), jnp.asarray(size), jnp.asarray(budget),
-            jnp.asarray(stops), jnp.asarray(row_k), jnp.asarray(use), state,
-            jnp.asarray(costs.ratios().reshape(groups, -1), jnp.float32), jnp.asarray(seeds),
-            RowSampling.of(settings), None if d is None else d.params, dkv,
-            fhead=self.fhead, given=None if given is None else tuple(map(jnp.asarray, given)),
+            m.params, m.config, kv, self.history[:rows], size, budget, stops, row_k, use, state,
+            costs.ratios().reshape(groups, -1).astype(np.float32), seeds, RowSampling.of(settings),
+            None if d is None else d.params, dkv, fhead=self.fhead, given=given,
             **({} if self.dflash is None else {"fparams": self.dflash.params, "fcfg": self.dflash.config,
                                                "fkv": self._dflash_state(table, clen)}),
             dcfg=None if d is None else d.config, k=self.compiled_k,
-            limit=jnp.int32(n_rounds), row_tree=jnp.asarray(row_tree) if self.spec.nodes else None,
-            row_auto=jnp.asarray(row_auto) if self.spec.nodes else None, tree=self.spec.nodes, max_ngram=self.spec.max_ngram, min_ngram=self.spec.min_ngram,
+            limit=np.int32(n_rounds), row_tree=row_tree if self.spec.nodes else None,
+            row_auto=row_auto if self.spec.nodes else None, tree=self.spec.nodes, max_ngram=self.spec.max_ngram,
+            min_ngram=self.spec.min_ngram,
             n_rounds=self.n_rounds, sampled=sampled,
             sample_drafts=self.sample_drafts, adaptive=self.spec.adaptive)
         self.k_pool, self.v_pool = kv.k, kv.v
