@@ -5,7 +5,7 @@ the memory-bandwidth floor (docs/performance.md, sections 2 and 3):
   place. XLA copies each layer's pool slab and runs YNNPACK batched matmuls at 1-3 GB/s:
   about half of the shipped model's decode step.
 - `matmul`: x [M, D] times a weight [N, D] (decode, verify, drafting, prefill chunks), the
-  weight stored as 16-output panels (`Packed`, made at load by `pack_tree`) in float32,
+  weight stored as panels of 64 or 16 outputs (`panel_width`) (`Packed`, made at load by `pack_tree`) in float32,
   bfloat16 or float16. XLA switches to a packed GEMM from two rows on that costs ~2x a
   one-row GEMV, so a verify step of 8 tokens cost 2x a decode step; the kernel streams the
   weight once for all rows. A step is bound by reading the weights, so a 16-bit checkpoint
@@ -62,8 +62,6 @@ HEAD_DIMS = (16, 24, 32, 48, 64, 96, 128)
 # The attention kernel's work grows with the query rows of a sequence (T * G); past this
 # XLA's batched GEMM (prefill chunks) is the better tool.
 MAX_ROWS = 64
-# Outputs per panel of a packed weight: one 64-byte line per input column (csrc/matmul.cc).
-PANEL = 16
 # What the matmul kernel reads a weight's panels as; it computes in float32 either way.
 PANEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Input columns per scale of an int8 weight (`quantize`; llama.cpp's q8_0 block).
@@ -150,7 +148,7 @@ def available() -> bool:
                 lib = ctypes.cdll.LoadLibrary(str(_build()))
                 for target, symbol in TARGETS.items():
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-                _state.update(ok=True, why="")
+                _state.update(ok=True, why="", panel=int(lib.SpecjaxPanelWidth()))
             except (OSError, RuntimeError, AttributeError) as err:
                 _state.update(ok=False, why=str(err))
                 warnings.warn(f"specjax: CPU kernels unavailable, using XLA's ops: {err}",
@@ -244,6 +242,14 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: j
     return out.reshape(b, t, h * e)
 
 
+def panel_width() -> int:
+    """Outputs per panel of a packed weight (`Packed`): 64 where the kernels are built with
+    AVX-512 (a decode step reads a panel's columns as one stream), 16 otherwise (a line of
+    two eight-float vectors per panel); csrc/matmul.cc."""
+    _require()
+    return int(_state["panel"])
+
+
 def _require() -> None:
     if not available():
         raise RuntimeError(f"the CPU kernels are unavailable: {_state['why']}")
@@ -253,12 +259,12 @@ def _require() -> None:
 @dataclasses.dataclass(frozen=True)
 class Packed:
     """A float32 weight [N, D] (HF orientation) stored for `matmul` as panels
-    [ceil(N/16), D, 16] in float32, bfloat16 or float16: output n is panels[n // 16, :,
-    n % 16], the last panel zero-padded. `pack_tree` makes them at load where the kernel
+    [ceil(N/P), D, P] in float32, bfloat16 or float16, P = `panel_width()`: output n is
+    panels[n // P, :, n % P], the last panel zero-padded. `pack_tree` makes them at load where the kernel
     runs; `unpack_tree` gives the HF layout back. Whatever the panels hold, the weight's
     values are float32 (`dtype`): what `matmul` computes with, `rows` and `unpack` return.
 
-    An int8 weight (`quantize`) has int8 panels and `scales` [ceil(N/16), ceil(D/32), 16]:
+    An int8 weight (`quantize`) has int8 panels and `scales` [ceil(N/P), ceil(D/32), P]:
     its value at (n, k) is float32(q) * scale of (n, k // 32), rounded to float32."""
 
     panels: jax.Array
@@ -283,18 +289,20 @@ class Packed:
         return self.panels.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     def unpack(self) -> jax.Array:
-        *batch, p, d, _ = self.panels.shape  # batch: e.g. per-example gradients under vmap
+        *batch, _, d, _ = self.panels.shape  # batch: e.g. per-example gradients under vmap
         values = self.panels.astype(self.dtype)
         if self.scales is not None:
             values = values * jnp.repeat(self.scales, Q8_BLOCK, axis=-2)[..., :d, :]
-        return jnp.swapaxes(values, -1, -2).reshape(*batch, p * PANEL, d)[..., :self.n, :]
+        return jnp.swapaxes(values, -1, -2).reshape(*batch, -1, d)[..., :self.n, :]
 
 
 def _panels(rows: jax.Array) -> jax.Array:
-    """[N, C] as [ceil(N/16), C, 16]: row n at [n // 16, :, n % 16], zero-padded."""
+    """[N, C] as [ceil(N/P), C, P] for P = `panel_width()`: row n at [n // P, :, n % P],
+    zero-padded."""
     n, c = rows.shape
-    padded = jnp.pad(jnp.asarray(rows), ((0, -n % PANEL), (0, 0)))
-    return jnp.swapaxes(padded.reshape(-1, PANEL, c), 1, 2)
+    width = panel_width()
+    padded = jnp.pad(jnp.asarray(rows), ((0, -n % width), (0, 0)))
+    return jnp.swapaxes(padded.reshape(-1, width, c), 1, 2)
 
 
 def pack(w: jax.Array) -> Packed:
@@ -354,7 +362,8 @@ def rows(w: jax.Array | Packed, ids: jax.Array) -> jax.Array:
 def _gather_ids(w: Packed, ids: jax.Array) -> tuple[jax.Array, slice, jax.Array]:
     ids = jnp.asarray(ids)
     ids = jnp.clip(jnp.where(ids < 0, ids + w.n, ids), 0, w.n - 1)
-    return ids // PANEL, slice(None), ids % PANEL
+    width = w.panels.shape[-1]
+    return ids // width, slice(None), ids % width
 
 
 def select(w: jax.Array | Packed, ids: jax.Array) -> jax.Array | Packed:
@@ -370,9 +379,10 @@ def rows_from(w: jax.Array | Packed, start: int) -> jax.Array | Packed:
     """The weight [N, D] without its first `start` output rows, packed or not."""
     if not isinstance(w, Packed):
         return w[start:]
-    if start % PANEL == 0:
-        return Packed(w.panels[start // PANEL:], w.n - start,
-                      None if w.scales is None else w.scales[start // PANEL:])
+    width = w.panels.shape[-1]
+    if start % width == 0:
+        return Packed(w.panels[start // width:], w.n - start,
+                      None if w.scales is None else w.scales[start // width:])
     return w.unpack()[start:]
 
 

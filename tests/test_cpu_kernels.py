@@ -121,7 +121,7 @@ def _packed(w):
     return cpu_kernels.pack(jnp.asarray(w))
 
 
-@pytest.mark.parametrize("m,d,n", [(1, 64, 100), (3, 384, 640), (8, 24, 33), (16, 128, 8192), (5, 20, 7)])
+@pytest.mark.parametrize("m,d,n", [(1, 64, 100), (3, 384, 640), (8, 24, 33), (16, 128, 8192), (5, 20, 7), (13, 72, 130)])
 def test_matmul_matches_numpy(rng, m, d, n):
     x = rng.standard_normal((m, d)).astype(np.float32)
     w = rng.standard_normal((n, d)).astype(np.float32)
@@ -137,7 +137,7 @@ def test_matmul_rows_get_the_same_bits_alone_or_together(rng):
     for i in (0, 1, 2):
         for t in (0, 5, 7):
             np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul(x[i, t], w)), together[i, t])
-    many = np.asarray(cpu_kernels.matmul(x.reshape(24, 256), w))  # more rows than a pass holds (16 at most)
+    many = np.asarray(cpu_kernels.matmul(x.reshape(24, 256), w))  # more rows than a pass holds (at most 6)
     np.testing.assert_array_equal(many, together.reshape(24, 300))
 
 
@@ -149,7 +149,7 @@ def test_matmul_derivatives_are_the_dots_in_both_modes(rng):
     want = jax.grad(loss(lambda x, w: x @ w.T), argnums=(0, 1))(x, w)
     for a, b in zip((gx, gw.unpack()), want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
-    assert not np.asarray(gw.panels[1, :, 8:]).any()  # no gradient into the padding
+    assert not np.asarray(gw.panels[-1, :, 24 % cpu_kernels.panel_width():]).any()  # no gradient into the padding
     dx, dw = (jnp.asarray(rng.standard_normal(a.shape), jnp.float32) for a in (x, w))
     _, got = jax.jvp(loss(cpu_kernels.matmul), (x, _packed(w)), (dx, _packed(dw)))
     _, want = jax.jvp(loss(lambda x, w: x @ w.T), (x, w), (dx, dw))
@@ -161,15 +161,17 @@ def test_matmul_derivatives_are_the_dots_in_both_modes(rng):
 
 
 def test_packing_round_trips_and_gathers_rows(rng):
-    w = rng.standard_normal((37, 24)).astype(np.float32)  # 37 rows: the last panel padded
+    p = cpu_kernels.panel_width()
+    w = rng.standard_normal((2 * p + 9, 24)).astype(np.float32)  # the last panel padded
     packed = _packed(w)
-    assert packed.shape == (37, 24) and packed.panels.shape == (3, 24, 16)
+    assert packed.shape == (2 * p + 9, 24) and packed.panels.shape == (3, 24, p)
     np.testing.assert_array_equal(np.asarray(packed.unpack()), w)
-    np.testing.assert_array_equal(np.asarray(packed.panels[2, :, 4]), w[36])  # output n at [n // 16, :, n % 16]
-    assert not np.asarray(packed.panels[2, :, 5:]).any()
-    ids = jnp.asarray([[0, 36], [17, 16]])
+    np.testing.assert_array_equal(np.asarray(packed.panels[2, :, 8]), w[2 * p + 8])  # output n at [n // p, :, n % p]
+    np.testing.assert_array_equal(np.asarray(packed.panels[1, :, 0]), w[p])
+    assert not np.asarray(packed.panels[2, :, 9:]).any()
+    ids = jnp.asarray([[0, 2 * p + 8], [p + 1, p]])
     np.testing.assert_array_equal(np.asarray(cpu_kernels.rows(packed, ids)), w[np.asarray(ids)])
-    wild = jnp.asarray([-1, 37, 40, 47])  # out of range: as jnp indexing (wrap, clamp), not the padding
+    wild = jnp.asarray([-1, 2 * p + 9, 2 * p + 12, 3 * p - 1])  # out of range: as jnp indexing, not the padding
     np.testing.assert_array_equal(np.asarray(cpu_kernels.rows(packed, wild)), np.asarray(jnp.asarray(w)[wild]))
     tree = {"w": jnp.asarray(w), "norm": jnp.ones(24), "half": jnp.asarray(w, jnp.bfloat16),
             "wide": np.asarray(w, np.float64)}
@@ -222,7 +224,8 @@ def test_int8_weights_round_trip_within_half_a_scale_and_compute_their_values(rn
     w = rng.standard_normal((n, d)).astype(np.float32) * rng.uniform(0.01, 3, (n, 1)).astype(np.float32)
     w[0, :32] = 0.0
     q = cpu_kernels.quantize(jnp.asarray(w))
-    assert q.stored == jnp.int8 and q.scales.shape == (-(-n // 16), -(-d // 32), 16)
+    p = cpu_kernels.panel_width()
+    assert q.stored == jnp.int8 and q.scales.shape == (-(-n // p), -(-d // 32), p)
     deq = np.asarray(q.unpack())
     blocks = [slice(b, min(b + 32, d)) for b in range(0, d, 32)]
     for sl in blocks:

@@ -1,17 +1,22 @@
 // y [M, N] = x [M, D] · wᵀ for the rows of a decode, verify or prefill step (an XLA FFI handler),
-// with the weight w [N, D] stored as panels [ceil(N/16), D, 16]: panel p holds outputs
-// 16p .. 16p+15, column by column (cpu_kernels.pack). XLA:CPU streams a weight at ~23 GB/s
-// for one row but switches to a packed GEMM from two rows on that costs about twice as
-// much for the same bytes (docs/performance.md); here the weight is streamed once for all
-// M rows, split across the intra-op thread pool by panels. Many rows (a prefill chunk) are
-// passes over a panel while it sits in L2, faster than XLA's GEMM here (docs/performance.md).
+// with the weight w [N, D] stored as panels [ceil(N/P), D, P]: panel p holds outputs
+// P p .. P p + P - 1, column by column (cpu_kernels.pack), P = 64 where the build has
+// AVX-512 and 16 otherwise (kPanel; cpu_kernels.panel_width asks the library). XLA:CPU
+// streams a weight at ~23 GB/s for one row but switches to a packed GEMM from two rows on
+// that costs about twice as much for the same bytes (docs/performance.md); here the weight
+// is streamed once for all M rows, split across the intra-op thread pool by units of 64
+// outputs. Many rows (a prefill chunk) are passes over a unit while it sits in L2, faster
+// than XLA's GEMM here (docs/performance.md).
 //
-// A panel is read as one 64-byte line per input column: every row's x[m, k] is broadcast
-// against it, so a pass over the panel keeps 16 outputs per row in registers and needs no
-// horizontal sums (the earlier kernel, one dot product per output in eight lanes, spent
-// nine loads per eight FMAs and ran a verify of 8 rows at ~1.5x one row). With AVX-512 a
-// line is one 512-bit vector (one widening and one FMA per row and column), otherwise a
-// pair of eight-float vectors.
+// A panel's column is P / 16 lines of 16 outputs (64 bytes in float32, 32 in 16 bits):
+// every row's x[m, k] is broadcast against a line, so a pass keeps 16 outputs per row and
+// line in registers and needs no horizontal sums (the earlier kernel, one dot product per
+// output in eight lanes, spent nine loads per eight FMAs and ran a verify of 8 rows at
+// ~1.5x one row). With AVX-512 a line is one 512-bit vector (one widening and one FMA per
+// row and column) and a pass reads a 64-wide panel's columns whole, one sequential stream;
+// 16-wide panels read four side by side (four streams 12 kB apart) ran the shipped model's
+// matmuls at 0.85-0.9x the speed at one row and 0.8x at 16 on an AMD EPYC (Zen 4), and
+// 1.1x at 8 (docs/performance.md). Otherwise a line is a pair of eight-float vectors.
 //
 // Each output is one FMA chain over k = 0 .. D-1 in order, so row m's result is bitwise the
 // same whatever M is and however rows and panels are grouped into passes: the logits of a
@@ -37,17 +42,17 @@ namespace {
 
 using specjax::ParallelFor;
 
-constexpr int64_t kPanel = 16;  // outputs per panel: one line
+constexpr int64_t kLine = 16;   // outputs per line
+constexpr int64_t kGroup = 4;   // lines per unit of work: 64 outputs
 constexpr int64_t kBlock = 32;  // columns per int8 scale (llama.cpp's q8_0 block)
-// Bytes prefetched ahead of the column being read (4 kB: 2 and 8 kB were slower for float32
-// panels, none 1.5x at M = 8).
-constexpr int64_t kAheadBytes = 4096;
 
 #if defined(__AVX512F__)
-// A line of 16 outputs in one 512-bit register. Rows per pass: one accumulator a row, plus
-// the line and a broadcast, within AVX-512's 32 vector registers.
+// A line of 16 outputs in one 512-bit register. Rows per pass: a whole panel's four
+// accumulators a row, plus its four lines and a broadcast, within AVX-512's 32 vector
+// registers.
 typedef float Line __attribute__((vector_size(64)));
-constexpr int kRows = 16;
+constexpr int kRows = 6;
+constexpr int64_t kPanel = 64;  // a unit's four lines side by side: one stream
 
 inline Line LoadLine(const float* p) { return (Line)_mm512_loadu_ps(p); }
 inline Line WidenLine(const float* p) { return LoadLine(p); }
@@ -78,6 +83,11 @@ constexpr int kRows = 8;
 #else
 constexpr int kRows = 4;
 #endif
+// A line per panel: a pass of one row reads two panels, more rows one (as many lines as
+// registers allow), and four 64-byte streams measured faster here than a 64-wide panel
+// read a quarter or half at a time (tiny-code, -mno-avx512f build on Zen 4: 0.88x at one
+// row, 0.75-0.85x at 4 to 16).
+constexpr int64_t kPanel = 16;
 
 inline Line LoadLine(const float* p) { return {specjax::Load(p), specjax::Load(p + 8)}; }
 template <typename W>
@@ -94,58 +104,66 @@ inline void StoreLine(float* p, Line a) { specjax::Store(p, a.lo), specjax::Stor
 inline float Lane(Line a, int64_t j) { return j < 8 ? a.lo[j] : a.hi[j - 8]; }
 #endif
 
-// Panels per pass for M rows: each output is one FMA chain, whose latency (4 cycles) caps a
-// pass of one row and one panel at a 64-byte line per 4 cycles, below what the caches deliver
-// for a model resident in L3; a pass over several panels at once runs that many chains side
-// by side. The chains and their order are the same however panels are grouped, so this
-// changes no bits.
-constexpr int PanelsPerPass(int m) {
+// Lines per pass for M rows: each output is one FMA chain, whose latency (4 cycles) caps a
+// pass of one row over one line at a 64-byte line per 4 cycles, below what the caches
+// deliver for a model resident in L3; a pass over several lines runs that many chains
+// side by side. The chains and their order are the same however lines are grouped, so
+// this changes no bits.
+constexpr int LinesPerPass(int m) {
 #if defined(__AVX512F__)
-  return m == 1 ? 4 : m < 4 ? 2 : 1;  // accumulators and lines within 32 registers
+  return 4;  // a pass reads its panel's columns whole
 #else
   return m == 1 ? 2 : 1;  // a line is two vectors here
 #endif
 }
-constexpr int64_t kGroup = 4;  // panels per unit of work: a multiple of every PanelsPerPass
 
-// NP panels from p0 of weights of type W against M <= kRows rows of x; M and NP are template
-// arguments so the accumulators live in registers while the panels stream past. int8 panels
-// (q8: cpu_kernels.quantize) come with scales [P, ceil(D/32), 16], one per output and block
+// Lines g0 .. g0 + NL - 1 (outputs 16 g0 ..) of weights of type W, against M <= kRows rows
+// of x; M and NL are template arguments so the accumulators live in registers while the
+// weights stream past. Line g's column k is at w + (g / L) * D * kPanel + k * kPanel +
+// (g % L) * 16 for L = kPanel / 16 lines per panel. int8 panels (q8:
+// cpu_kernels.quantize) come with scales [P, ceil(D/32), kPanel], one per output and block
 // of 32 columns: the weight is q * scale, rounded to float32 as NumPy's q * scale is, then
 // the same FMA chain.
-template <typename W, int M, int NP>
-void Panels(const float* x, const W* w, const float* scales, float* y, int64_t D, int64_t N, int64_t p0) {
+template <typename W, int M, int NL>
+void Lines(const float* x, const W* w, const float* scales, float* y, int64_t D, int64_t N, int64_t g0) {
   constexpr bool kQ8 = std::is_same_v<W, int8_t>;
+  constexpr int64_t L = kPanel / kLine;
   const int64_t blocks = (D + kBlock - 1) / kBlock;
-  const W* panel[NP];
-  for (int q = 0; q < NP; ++q) panel[q] = w + (p0 + q) * D * kPanel;
-  Line acc[NP][M];
-  for (int q = 0; q < NP; ++q)
+  const W* line0[NL];
+  int64_t scale0[NL];
+  for (int q = 0; q < NL; ++q) {
+    const int64_t g = g0 + q;
+    line0[q] = w + (g / L) * D * kPanel + (g % L) * kLine;
+    scale0[q] = (g / L) * blocks * kPanel + (g % L) * kLine;
+  }
+  Line acc[NL][M];
+  for (int q = 0; q < NL; ++q)
     for (int m = 0; m < M; ++m) acc[q][m] = Line{};
   for (int64_t k0 = 0; k0 < D; k0 += kBlock) {
-    Line scale[NP];
-    for (int q = 0; q < NP; ++q) {
+    Line scale[NL];
+    for (int q = 0; q < NL; ++q) {
       scale[q] = Line{};
-      if constexpr (kQ8) scale[q] = LoadLine(scales + ((p0 + q) * blocks + k0 / kBlock) * kPanel);
+      if constexpr (kQ8) scale[q] = LoadLine(scales + scale0[q] + (k0 / kBlock) * kPanel);
     }
     for (int64_t k = k0; k < std::min(D, k0 + kBlock); ++k) {
-      Line line[NP];
-      for (int q = 0; q < NP; ++q) {
-        __builtin_prefetch(panel[q] + (k + kAheadBytes / int64_t{sizeof(W) * kPanel}) * kPanel, 0, 0);
-        line[q] = WidenLine(panel[q] + k * kPanel);
+      Line line[NL];
+      for (int q = 0; q < NL; ++q) {
+        if constexpr (L == 1)  // separate streams: fetched ahead (4 kB: 2 and 8 kB were slower)
+          __builtin_prefetch(line0[q] + (k + 4096 / int64_t{sizeof(W) * kPanel}) * kPanel, 0, 0);
+        line[q] = WidenLine(line0[q] + k * kPanel);
         if constexpr (kQ8) line[q] = Scale(line[q], scale[q]);
       }
       for (int m = 0; m < M; ++m) {
         const Line xs = Splat(x[m * D + k]);
-        for (int q = 0; q < NP; ++q) acc[q][m] = Fma(xs, line[q], acc[q][m]);
+        for (int q = 0; q < NL; ++q) acc[q][m] = Fma(xs, line[q], acc[q][m]);
       }
     }
   }
-  for (int q = 0; q < NP; ++q) {
-    const int64_t n0 = (p0 + q) * kPanel;
-    if (n0 + kPanel <= N) {
+  for (int q = 0; q < NL; ++q) {
+    const int64_t n0 = (g0 + q) * kLine;
+    if (n0 + kLine <= N) {
       for (int m = 0; m < M; ++m) StoreLine(y + m * N + n0, acc[q][m]);
-    } else {  // the last panel, zero-padded past N
+    } else {  // the last line, zero-padded past N
       for (int m = 0; m < M; ++m)
         for (int64_t j = 0; n0 + j < N; ++j) y[m * N + n0 + j] = Lane(acc[q][m], j);
     }
@@ -153,38 +171,41 @@ void Panels(const float* x, const W* w, const float* scales, float* y, int64_t D
 }
 
 template <typename W>
-using PanelsFn = void (*)(const float*, const W*, const float*, float*, int64_t, int64_t, int64_t);
+using LinesFn = void (*)(const float*, const W*, const float*, float*, int64_t, int64_t, int64_t);
 
-// Panels<W, m, PanelsPerPass(m)> (wide) or Panels<W, m, 1> for m = 1 .. kRows.
+// Lines<W, m, LinesPerPass(m)> (wide) or Lines<W, m, 1> for m = 1 .. kRows.
 template <typename W, int... Ms>
-PanelsFn<W> Pick(int64_t m, bool wide, std::integer_sequence<int, Ms...>) {
-  PanelsFn<W> wides[] = {&Panels<W, Ms + 1, PanelsPerPass(Ms + 1)>...};
-  PanelsFn<W> ones[] = {&Panels<W, Ms + 1, 1>...};
+LinesFn<W> Pick(int64_t m, bool wide, std::integer_sequence<int, Ms...>) {
+  LinesFn<W> wides[] = {&Lines<W, Ms + 1, LinesPerPass(Ms + 1)>...};
+  LinesFn<W> ones[] = {&Lines<W, Ms + 1, 1>...};
   return wide ? wides[m - 1] : ones[m - 1];
 }
 
 template <typename W>
 void Run(ffi::ThreadPool& pool, const float* xp, const W* wp, const float* sp, float* yp, int64_t M, int64_t D,
-         int64_t P, int64_t N) {
-  ParallelFor(pool, (P + kGroup - 1) / kGroup, [&](int64_t u) {
-    const int64_t g0 = u * kGroup, g1 = std::min(P, g0 + kGroup);
-    // More than kRows rows: passes of kRows over the group's panels (read again from L1/L2).
-    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-      const int64_t rows = std::min<int64_t>(kRows, M - m0);
-      const int64_t np = PanelsPerPass(static_cast<int>(rows));
+         int64_t N) {
+  const int64_t lines = (N + kLine - 1) / kLine;
+  // More than kRows rows: passes of as many rows each as may be, over the unit's lines
+  // (read again from L1/L2).
+  const int64_t passes = (M + kRows - 1) / kRows, per = (M + passes - 1) / passes;
+  ParallelFor(pool, (lines + kGroup - 1) / kGroup, [&](int64_t u) {
+    const int64_t g1 = std::min(lines, (u + 1) * kGroup);
+    for (int64_t m0 = 0; m0 < M; m0 += per) {
+      const int64_t rows = std::min<int64_t>(per, M - m0);
+      const int64_t nl = LinesPerPass(static_cast<int>(rows));
       const auto seq = std::make_integer_sequence<int, kRows>{};
-      const PanelsFn<W> wide = Pick<W>(rows, true, seq), one = Pick<W>(rows, false, seq);
-      int64_t p = g0;
-      for (; p + np <= g1; p += np) wide(xp + m0 * D, wp, sp, yp + m0 * N, D, N, p);
-      for (; p < g1; ++p) one(xp + m0 * D, wp, sp, yp + m0 * N, D, N, p);
+      const LinesFn<W> wide = Pick<W>(rows, true, seq), one = Pick<W>(rows, false, seq);
+      int64_t g = u * kGroup;
+      for (; g + nl <= g1; g += nl) wide(xp + m0 * D, wp, sp, yp + m0 * N, D, N, g);
+      for (; g < g1; ++g) one(xp + m0 * D, wp, sp, yp + m0 * N, D, N, g);
     }
   });
 }
 
-// The shapes of x [M, D], w [P, D, 16] and y [M, N] agree, N within the last panel.
+// The shapes of x [M, D], w [P, D, kPanel] and y [M, N] agree, N within the last panel.
 ffi::Error CheckShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, ffi::Span<const int64_t> yd) {
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[1] != xd[1] || wd[2] != kPanel || yd[0] != xd[0])
-    return ffi::Error::InvalidArgument("matmul: expected x [M, D], w [P, D, 16] and y [M, N]");
+    return ffi::Error::InvalidArgument("matmul: expected x [M, D], w [P, D, panel width] and y [M, N]");
   if (xd[0] < 1 || yd[1] > wd[0] * kPanel || yd[1] <= (wd[0] - 1) * kPanel)
     return ffi::Error::InvalidArgument("matmul: needs M >= 1 and N in the last panel");
   return ffi::Error::Success();
@@ -196,8 +217,8 @@ ffi::Error MatmulQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   ffi::Error shapes = CheckShapes(xd, wd, yd);
   if (shapes.failure()) return shapes;
   if (sd.size() != 3 || sd[0] != wd[0] || sd[1] != (wd[1] + kBlock - 1) / kBlock || sd[2] != kPanel)
-    return ffi::Error::InvalidArgument("matmul: expected scales [P, ceil(D/32), 16] for int8 panels");
-  Run(pool, x.typed_data(), w.typed_data(), scales.typed_data(), y->typed_data(), xd[0], xd[1], wd[0], yd[1]);
+    return ffi::Error::InvalidArgument("matmul: expected scales [P, ceil(D/32), panel width] for int8 panels");
+  Run(pool, x.typed_data(), w.typed_data(), scales.typed_data(), y->typed_data(), xd[0], xd[1], yd[1]);
   return ffi::Error::Success();
 }
 
@@ -206,18 +227,18 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   ffi::Error shapes = CheckShapes(xd, wd, yd);
   if (shapes.failure()) return shapes;
-  const int64_t M = xd[0], D = xd[1], P = wd[0], N = yd[1];
+  const int64_t M = xd[0], D = xd[1], N = yd[1];
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
   switch (w.element_type()) {
     case ffi::DataType::F32:
-      Run(pool, xp, static_cast<const float*>(w.untyped_data()), nullptr, yp, M, D, P, N);
+      Run(pool, xp, static_cast<const float*>(w.untyped_data()), nullptr, yp, M, D, N);
       break;
     case ffi::DataType::BF16:
-      Run(pool, xp, static_cast<const specjax::BF16*>(w.untyped_data()), nullptr, yp, M, D, P, N);
+      Run(pool, xp, static_cast<const specjax::BF16*>(w.untyped_data()), nullptr, yp, M, D, N);
       break;
     case ffi::DataType::F16:
-      Run(pool, xp, static_cast<const specjax::F16*>(w.untyped_data()), nullptr, yp, M, D, P, N);
+      Run(pool, xp, static_cast<const specjax::F16*>(w.untyped_data()), nullptr, yp, M, D, N);
       break;
     default:
       return ffi::Error::InvalidArgument("matmul: weight panels must be float32, bfloat16 or float16");
@@ -226,6 +247,9 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
 }
 
 }  // namespace
+
+// The outputs per panel this build packs weights in (cpu_kernels.panel_width).
+extern "C" int SpecjaxPanelWidth() { return static_cast<int>(kPanel); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxMatmul, MatmulImpl,
                               ffi::Ffi::Bind()
