@@ -17,7 +17,7 @@ from conftest import hf_tiny
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.runs(), reason="the CPU kernels do not run here")
 
-# Whole panels (every output count a multiple of 16) and ragged ones (vocab 101, MLP 90).
+# Whole panels (every output count a multiple of 64, so of 16) and ragged ones (vocab 101, MLP 90).
 CONFIGS = {
     "whole panels": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
