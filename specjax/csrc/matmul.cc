@@ -84,9 +84,9 @@ constexpr int kRows = 8;
 constexpr int kRows = 4;
 #endif
 // A line per panel: a pass of one row reads two panels, more rows one (as many lines as
-// registers allow), and four 64-byte streams measured faster here than a 64-wide panel
-// read a quarter or half at a time (tiny-code, -mno-avx512f build on Zen 4: 0.88x at one
-// row, 0.75-0.85x at 4 to 16).
+// registers allow): these streams measured faster here than a 64-wide panel read a quarter
+// or half at a time (tiny-code, a -mno-avx512f build on Zen 4: the 64-wide layout ran at
+// 0.88-0.93x the speed at one row, 0.8-0.88x at 4 to 16).
 constexpr int64_t kPanel = 16;
 
 inline Line LoadLine(const float* p) { return {specjax::Load(p), specjax::Load(p + 8)}; }
