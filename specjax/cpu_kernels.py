@@ -6,9 +6,9 @@ the memory-bandwidth floor (docs/performance.md, sections 2 and 3):
   about half of the shipped model's decode step.
 - `matmul`: x [M, D] times a weight [N, D] (decode, verify, drafting, prefill chunks), the
   weight stored as panels of 64 or 16 outputs (`panel_width`; `Packed`, made at load by
-  `pack_tree`) in float32, bfloat16 or float16. XLA switches to a packed GEMM from two rows on that costs ~2x a
-  one-row GEMV, so a verify step of 8 tokens cost 2x a decode step; the kernel streams the
-  weight once for all rows. A step is bound by reading the weights, so a 16-bit checkpoint
+  `pack_tree`) in float32, bfloat16 or float16. XLA switches to a packed GEMM from two
+  rows on that costs ~2x a one-row GEMV, so a verify step of 8 tokens cost 2x a decode
+  step; the kernel streams the weight once for all rows. A step is bound by reading the weights, so a 16-bit checkpoint
   is kept in 16 bits and widened in registers: half the bytes, and (widening being exact)
   bitwise the results of the same weights stored as float32.
 - `kv_write`: a layer's new keys and values into the pools, in place (results alias the
@@ -261,8 +261,9 @@ class Packed:
     """A float32 weight [N, D] (HF orientation) stored for `matmul` as panels
     [ceil(N/P), D, P] in float32, bfloat16 or float16, P = `panel_width()`: output n is
     panels[n // P, :, n % P], the last panel zero-padded. `pack_tree` makes them at load
-    where the kernel runs; `unpack_tree` gives the HF layout back. Whatever the panels hold, the weight's
-    values are float32 (`dtype`): what `matmul` computes with, `rows` and `unpack` return.
+    where the kernel runs; `unpack_tree` gives the HF layout back. Whatever the panels
+    hold, the weight's values are float32 (`dtype`): what `matmul` computes with, `rows`
+    and `unpack` return.
 
     An int8 weight (`quantize`) has int8 panels and `scales` [ceil(N/P), ceil(D/32), P]:
     its value at (n, k) is float32(q) * scale of (n, k // 32), rounded to float32."""
