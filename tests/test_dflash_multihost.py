@@ -58,7 +58,8 @@ def _free_port() -> int:
 
 
 def _env(devices: int) -> dict[str, str]:
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+    return {**os.environ, "XLA_FLAGS": flags,
             "PYTHONPATH": str(ROOT), "SPECJAX_CACHE_DIR": "off"}
 
 
