@@ -16,16 +16,6 @@ from pathlib import Path
 # from an empty cache anyway. Compiled CPU kernels still go to ~/.cache/specjax/kernels.
 os.environ.setdefault("SPECJAX_CACHE_DIR", "off")
 
-# LLVM at -O1 instead of XLA's default -O2 for what the tests compile: compiling is about two
-# thirds of the suite's time and -O1 takes a quarter off the whole run (tests/test_engine_trees.py
-# alone 59 -> 47 s). The XLA programs are the same and so are the numbers: the shipped model's
-# logits and greedy and sampled tokens are bitwise those of the default level (-O0 would be
-# faster still but moves logits by ~1e-5, as LLVM fuses fewer multiply-adds). Subprocesses
-# the tests start (the README, the notebooks, the CLI) inherit it.
-LLVM_LEVEL = "--xla_backend_optimization_level=1"
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f'{os.environ.get("XLA_FLAGS", "")} {LLVM_LEVEL}'.strip()
-
 import numpy as np
 import pytest
 

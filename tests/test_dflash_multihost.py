@@ -58,8 +58,7 @@ def _free_port() -> int:
 
 
 def _env(devices: int) -> dict[str, str]:
-    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
-    return {**os.environ, "XLA_FLAGS": flags,
+    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
             "PYTHONPATH": str(ROOT), "SPECJAX_CACHE_DIR": "off"}
 
 
