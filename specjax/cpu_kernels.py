@@ -8,9 +8,10 @@ the memory-bandwidth floor (docs/performance.md, sections 2 and 3):
   weight stored as panels of 64 or 16 outputs (`panel_width`; `Packed`, made at load by
   `pack_tree`) in float32, bfloat16 or float16. XLA switches to a packed GEMM from two
   rows on that costs ~2x a one-row GEMV, so a verify step of 8 tokens cost 2x a decode
-  step; the kernel streams the weight once for all rows. A step is bound by reading the weights, so a 16-bit checkpoint
-  is kept in 16 bits and widened in registers: half the bytes, and (widening being exact)
-  bitwise the results of the same weights stored as float32.
+  step; the kernel streams the weight once for all rows. A step is bound by reading the
+  weights, so a 16-bit checkpoint is kept in 16 bits and widened in registers: half the
+  bytes, and (widening being exact) bitwise the results of the same weights stored as
+  float32.
 - `kv_write`: a layer's new keys and values into the pools, in place (results alias the
   pools). XLA's per-token `dynamic_update_slice` loop costs ~3 us a token and pool.
 
