@@ -2,13 +2,16 @@
 engine submissions, and the JSON of responses and stream chunks.
 
 Fields follow OpenAI's completions and chat completions APIs, plus vLLM's extra sampling
-fields (`top_k`, `min_p`, `stop_token_ids`, `ignore_eos`). Defaults are OpenAI's
-(temperature 1); `max_tokens` defaults to the rest of the context, as in vLLM. A field
-this server does not implement (logprobs, penalties, tools, ...) is refused with a 400
-naming it unless it has its neutral value, and so is a field it does not know: nothing
-asked for is silently dropped. `n` choices of a prompt are n engine requests with seeds
-seed, seed + 1, ..., seed + n - 1 (without a seed, a random one), so each choice is
-reproducible alone.
+fields (`top_k`, `min_p`, `stop_token_ids`, `ignore_eos`). Defaults are OpenAI's and
+vLLM's: temperature 1; `max_tokens` 16 for completions (less if the context has less room)
+and the rest of the context for chat. A field this server does not implement (logprobs,
+penalties, tools, ...) is refused with a 400 naming it unless it has its neutral value (of
+the same type: `logprobs: 0` is not `false`), and so is a field it does not know or one of
+the other endpoint's: nothing asked for is silently dropped. An unknown model is a 404.
+`seed` takes vLLM's range, any 64-bit integer, and the engine's 32-bit seed is it modulo
+2**32. `n` choices of a prompt are n engine requests with seeds seed, seed + 1, ...,
+seed + n - 1 (modulo 2**32; without a seed, a random one), so each choice is reproducible
+alone.
 """
 
 from __future__ import annotations
@@ -24,16 +27,18 @@ from .serving import Submission
 from .errors import SpecjaxError
 
 MAX_N = 64  # choices per request
-SEEDS = 2 ** 32
+SEEDS = 2 ** 32  # the engine's seeds; a request's seed is taken modulo this
+SEED_RANGE = (-2 ** 63, 2 ** 63 - 1)  # a request's seed: a 64-bit integer, as vLLM takes
+COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's max_tokens default for completions
 
-# fields accepted only with their neutral values (null always is)
+# fields accepted only with their neutral values (null always is), on both endpoints or one
 NEUTRAL: dict[str, tuple] = {
-    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "best_of": (1,),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
-    "min_tokens": (0,), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "response_format": ({"type": "text"},), "use_beam_search": (False,), "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,),
+    "logprobs": (False,), "echo": (False,), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "repetition_penalty": (1,), "logit_bias": ({},), "min_tokens": (0,), "response_format": ({"type": "text"},),
+    "use_beam_search": (False,), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
 }
+COMPLETION_NEUTRAL = NEUTRAL | {"suffix": ("",), "best_of": (1,)}
+CHAT_NEUTRAL = NEUTRAL | {"top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "functions": ([],)}
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                      "safety_identifier"})  # bookkeeping fields with no effect on the output
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
@@ -45,15 +50,15 @@ CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 
 class RequestError(SpecjaxError):
     """A request this server cannot serve: HTTP `status` with an OpenAI-style error body
-    naming the field (`param`)."""
+    naming the field (`param`), and OpenAI's error `code` where it has one."""
 
-    def __init__(self, message: str, param: str | None, status: int = 400):
+    def __init__(self, message: str, param: str | None, status: int = 400, code: str | None = None):
         super().__init__(message)
-        self.param, self.status = param, status
+        self.param, self.status, self.code = param, status, code
 
     def body(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": None}}
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,24 +126,38 @@ def _token_list(value: Any, name: str, vocab: int) -> list[int] | None:
     return value
 
 
-def _check_fields(body: Any, known: frozenset[str]) -> dict:
+def _neutral(value: Any, neutral: Any) -> bool:
+    """value is the neutral value: equal, and a boolean only where that is one (in Python
+    0 == False and 1 == True, but `logprobs: 0` asks for logprobs)."""
+    return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
+
+
+def _check_fields(body: Any, known: frozenset[str], neutral: dict[str, tuple]) -> dict:
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}", None)
     for name, value in body.items():
         if name in known or name in IGNORED or value is None:
             continue
-        if name in NEUTRAL:
-            if value not in NEUTRAL[name]:
+        if name in neutral:
+            if not any(_neutral(value, v) for v in neutral[name]):
                 raise RequestError(f"{name} is not supported by this server (got {value!r})", name)
             continue
         raise RequestError(f"unknown field {name!r}", name)
     return body
 
 
+def unknown_model(model: str, served: Served) -> RequestError:
+    """OpenAI's 404 for a model this server does not serve."""
+    return RequestError(f"the model {model!r} does not exist; this server serves {served.name!r}", "model",
+                        status=404, code="model_not_found")
+
+
 def _model(body: dict, served: Served) -> None:
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError(f"model must be a string, got {model!r:.80}", "model")
     if model is not None and model != served.name:
-        raise RequestError(f"model {model!r} is not served here; this server serves {served.name!r}", "model")
+        raise unknown_model(model, served)
 
 
 def _sampling(body: dict) -> Sampling:
@@ -168,8 +187,18 @@ def _stops(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _unicode(text: str, param: str) -> str:
+    """text, if it is valid Unicode: JSON's \\ud800 escapes make lone surrogates, which
+    have no UTF-8 and which the tokenizer refuses."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{param}: the text is not valid Unicode ({e.reason} at {e.start})", param) from None
+    return text
+
+
 def _text_ids(text: str, served: Served, param: str) -> list[int]:
-    ids = list(served.tokenizer(text)["input_ids"])
+    ids = list(served.tokenizer(_unicode(text, param))["input_ids"])
     if not ids:
         raise RequestError(f"{param}: the prompt is empty (it tokenizes to no tokens)", param)
     return ids
@@ -193,16 +222,27 @@ def _prompts(body: dict, served: Served) -> list[list[int]]:
 
 
 def _content(message: Any, at: int) -> dict[str, str]:
+    """The message as the chat template gets it: role, content as one string and the
+    participant's name if given."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise RequestError(f"messages[{at}] must be an object with a role, got {message!r:.80}", "messages")
     content = message.get("content")
+    if content is None and message["role"] == "assistant":
+        content = ""  # OpenAI allows an assistant message without content; vLLM renders it empty
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        content = "".join(p["text"] for p in content)  # text parts; other kinds (images) are not served
+        # text parts, joined by newlines as vLLM joins them; other kinds (images) are not served
+        content = "\n".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise RequestError(f"messages[{at}].content must be a string or a list of text parts, "
                            f"got {content!r:.80}", "messages")
-    return {"role": message["role"], "content": content}
+    out = {"role": _unicode(message["role"], "messages"), "content": _unicode(content, "messages")}
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise RequestError(f"messages[{at}].name must be a string, got {name!r:.80}", "messages")
+        out["name"] = _unicode(name, "messages")
+    return out
 
 
 def _chat_prompt(body: dict, served: Served) -> list[int]:
@@ -233,8 +273,8 @@ def _plan(body: dict, served: Served, prompts: list[list[int]], chat: bool) -> P
     asked = _integer(body, tokens_param, None, 1)
     sampling = _sampling(body)
     n = _integer(body, "n", 1, 1, MAX_N)
-    seed = _integer(body, "seed", None, 0, SEEDS - 1)
-    seed = secrets.randbelow(SEEDS) if seed is None else seed
+    seed = _integer(body, "seed", None, *SEED_RANGE)
+    seed = secrets.randbelow(SEEDS) if seed is None else seed % SEEDS
     stop_ids = body.get("stop_token_ids")
     extra = [] if stop_ids is None else _token_list(stop_ids, "stop_token_ids", served.vocab_size)
     if extra is None:
@@ -258,23 +298,23 @@ def _plan(body: dict, served: Served, prompts: list[list[int]], chat: bool) -> P
         if asked is not None and asked > room:
             raise RequestError(f"{tokens_param} = {asked} with a prompt of {len(ids)} tokens exceeds this server's "
                                f"context of {served.max_len} tokens: at most {room}", tokens_param)
+        new = asked if asked is not None else room if chat else min(COMPLETION_MAX_TOKENS, room)
         for j in range(n):
-            submissions.append(Submission(ids, room if asked is None else asked, sampling, (seed + j) % SEEDS,
-                                          stop_set))
+            submissions.append(Submission(ids, new, sampling, (seed + j) % SEEDS, stop_set))
     return Plan(chat, prompts, submissions, _stops(body), stream,
                 bool(options and options.get("include_usage")))
 
 
 def completion_plan(body: Any, served: Served) -> Plan:
     """A /v1/completions body, checked."""
-    body = _check_fields(body, COMPLETION_FIELDS)
+    body = _check_fields(body, COMPLETION_FIELDS, COMPLETION_NEUTRAL)
     _model(body, served)
     return _plan(body, served, _prompts(body, served), chat=False)
 
 
 def chat_plan(body: Any, served: Served) -> Plan:
     """A /v1/chat/completions body, checked."""
-    body = _check_fields(body, CHAT_FIELDS)
+    body = _check_fields(body, CHAT_FIELDS, CHAT_NEUTRAL)
     _model(body, served)
     return _plan(body, served, [_chat_prompt(body, served)], chat=True)
 

@@ -2,13 +2,16 @@
 `Engine`, which a dedicated thread owns (`specjax.serving`).
 
 Routes: POST /v1/completions and /v1/chat/completions (JSON, or server-sent events with
-`stream`), GET /v1/models, /health and /metrics (Prometheus text, `specjax.metrics`).
-A request's choices go to the engine thread as one ticket; their tokens come back as
-events on this loop, become text (`specjax.textstream`) and are answered at the end or
-streamed as they arrive. A client that goes away (mid-stream or while waiting) cancels its
-requests, so their pages return to the pool. On shutdown uvicorn stops accepting, lets
-running requests finish for the graceful-shutdown timeout, then cancels them; the
-lifespan's end stops the engine thread, cancelling whatever is left.
+`stream`), GET /v1/models, /v1/models/{model}, /health and /metrics (Prometheus text,
+`specjax.metrics`); every error, unknown paths and methods and the server's own failures
+included, is an OpenAI-style JSON error. A request's body is parsed and tokenized off the
+event loop, so a long prompt does not hold up other clients' streams. Its choices go to
+the engine thread as one ticket; their tokens come back as events on this loop, become
+text (`specjax.textstream`) and are answered at the end or streamed as they arrive. A
+client that goes away (mid-stream or while waiting) cancels its requests, so their pages
+return to the pool. On shutdown uvicorn stops accepting, lets running requests finish for
+the graceful-shutdown timeout, then cancels them; the lifespan's end stops the engine
+thread, cancelling whatever is left.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import prometheus_client
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -33,7 +37,7 @@ from .checkpoint import CheckpointError
 from .engine import Engine
 from .metrics import ServerMetrics
 from .pages import PoolError
-from .protocol import Plan, Reply, RequestError, Served, chat_plan, completion_plan, usage
+from .protocol import Plan, Reply, RequestError, Served, chat_plan, completion_plan, unknown_model, usage
 from .serving import EngineWorker, Failed, Refused, ShuttingDown, Ticket, Tokens
 from .textstream import TextStream
 
@@ -116,12 +120,18 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _body(request: Request) -> Any:
-    raw = await request.body()
+def _json(raw: bytes) -> Any:
     try:
         return json.loads(raw)
     except ValueError as e:  # JSONDecodeError, or bytes that are not text
         raise RequestError(f"the request body is not valid JSON: {e}", None) from None
+
+
+def _error(error: RequestError, headers: dict[str, str] | None = None) -> Response:
+    """error's JSON response, ASCII-escaped: messages quote the request, and JSON strings
+    may hold lone surrogates, which have no UTF-8."""
+    return Response(json.dumps(error.body()), status_code=error.status, headers=headers,
+                    media_type="application/json")
 
 
 def create_app(engine: Engine, name: str, per_request: dict | None = None) -> Starlette:
@@ -136,7 +146,10 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None) -> St
     worker = EngineWorker(engine, metrics, per_request)
 
     async def generate(request: Request, parse: Callable[[Any, Served], Plan]) -> Response:
-        plan = parse(await _body(request), served)
+        raw = await request.body()
+        # parsing and tokenizing (the chat template too) take time in the prompt's length,
+        # and the tokenizer lets go of the GIL: in a thread, other streams go on meanwhile
+        plan = await asyncio.to_thread(lambda: parse(_json(raw), served))
         run = _Run(plan, served, worker)
         await run.admit()
         reply = Reply(plan, name)
@@ -189,8 +202,12 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None) -> St
         return await generate(request, chat_plan)
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "specjax", "max_model_len": engine.max_len}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model_card(request: Request) -> Response:
+        if request.path_params["model"] != name:
+            raise unknown_model(request.path_params["model"], served)
+        return JSONResponse(card)
 
     async def health(request: Request) -> Response:
         return Response(status_code=200 if worker.alive else 503)
@@ -200,7 +217,17 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None) -> St
 
     async def request_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestError)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return _error(exc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        """Starlette's own errors (an unknown path, a wrong method) in OpenAI's shape."""
+        assert isinstance(exc, HTTPException)
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        return _error(RequestError(message, None, status=exc.status_code), exc.headers)
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        """Any other exception: a 500 in OpenAI's shape (Starlette then logs the traceback)."""
+        return _error(RequestError(f"internal server error: {type(exc).__name__}: {exc}", None, status=500))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -210,13 +237,16 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None) -> St
         finally:
             await asyncio.to_thread(worker.stop)
 
-    created = int(time.time())
+    card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "specjax",
+            "max_model_len": engine.max_len}
     routes = [Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{model:path}", model_card, methods=["GET"]),  # names may have a "/"
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics_text, methods=["GET"])]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={RequestError: request_error})
+    handlers = {RequestError: request_error, HTTPException: http_error, Exception: server_error}
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
 
 
 def bind(host: str, port: int) -> socket.socket:

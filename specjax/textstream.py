@@ -1,10 +1,17 @@
 """A completion's text as its tokens arrive: incremental detokenization with stop strings.
 
-Each update decodes every token so far (special tokens skipped, as OpenAI-compatible
-servers return them), so the text sent is always a prefix of the text of all the tokens.
+The text is always the text of all the tokens so far (special tokens skipped, as
+OpenAI-compatible servers return them), built without decoding them all again on each
+update: the text up to the last point where it was whole (no trailing U+FFFD, so its
+bytes end on a character boundary) is kept, and only the tokens after it are decoded, with
+a few before them for context (a decoder may render a token's leading space by what comes
+before it). Decoding a byte-level BPE sequence (Qwen3's tokenizer) is then the same as
+decoding all of it, and an update costs the new tokens, not the whole text.
+
 Two things are held back until more tokens settle them: a trailing U+FFFD (a multi-byte
-character whose bytes are split across tokens) and a tail that could be the start of a
-stop string. The earliest stop string found ends the text before it, as OpenAI does.
+character whose bytes are split across tokens), with any start of a stop string just
+before it (the character it becomes may continue it), and a tail that could be the start
+of a stop string. The earliest stop string found ends the text before it, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 REPLACEMENT = "\ufffd"
+CONTEXT = 4  # tokens decoded before the new ones, to render the first new one as in the whole text
 
 
 class TextStream:
@@ -28,9 +36,19 @@ class TextStream:
         self.sent = ""             # the text handed out so far
         self.stopped = False       # a stop string was found: the text is final
         self.tokens_used = 0       # tokens the text comes from (up to the one completing the stop string)
+        self._whole = 0            # leading tokens whose text is whole (ends on a character boundary)
+        self._whole_text = ""      # their text
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t not in self.stop_ids], skip_special_tokens=True)
+
+    def _text(self, end: int) -> str:
+        """The text of the first `end` tokens (at least the whole ones): the whole text kept,
+        then the tokens after it decoded with CONTEXT tokens before them, less the text of
+        those."""
+        start = max(0, self._whole - CONTEXT)
+        context = self._decode(self.ids[start:self._whole])
+        return self._whole_text + self._decode(self.ids[start:end])[len(context):]
 
     def add(self, tokens: Sequence[int], final: bool = False) -> str:
         """Take newly committed tokens; return the text that is now safe to send (all of the
@@ -40,12 +58,14 @@ class TextStream:
             return ""
         self.ids += tokens
         self.tokens_used = len(self.ids)
-        text = self._decode(self.ids)
+        text = self._text(len(self.ids))
         found = [(i, len(s)) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if found:
             cut, length = min(found)
+            self.tokens_used = self._tokens_to(text[:cut + length])
             self.stopped, final, text = True, True, text[:cut]
-            self.tokens_used = self._tokens_to(cut + length)
+        elif not text.endswith(REPLACEMENT):
+            self._whole, self._whole_text = len(self.ids), text
         ready = len(text) if final else len(text) - self._unsettled(text)
         if ready <= len(self.sent):
             return ""
@@ -54,23 +74,33 @@ class TextStream:
         return new
 
     def _unsettled(self, text: str) -> int:
-        """Characters at the end of `text` that later tokens may still change."""
-        held = len(text) - len(text.rstrip(REPLACEMENT))
+        """Characters at the end of `text` that later tokens may still change: a trailing
+        U+FFFD run and the start of a stop string before it, or a start of a stop string
+        ending the text."""
+        split = len(text) - len(text.rstrip(REPLACEMENT))
+        before = text[:len(text) - split]
+        held = split
         for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(text)), held, -1):
-                if text.endswith(stop[:k]):
-                    held = k
-                    break
+            held = max(held, _stop_start(text, stop), split + _stop_start(before, stop))
         return held
 
-    def _tokens_to(self, end: int) -> int:
-        """The fewest leading tokens whose text is `end` characters long (the first stop
-        string found ends there): the completion's token count."""
-        low, high = 1, len(self.ids)
+    def _tokens_to(self, through: str) -> int:
+        """The fewest leading tokens whose text starts with `through` (the text up to the end
+        of the first stop string found): the completion's token count. The whole text kept
+        has no stop string in it, so they are more than its tokens."""
+        low, high = self._whole + 1, len(self.ids)
         while low < high:
             mid = (low + high) // 2
-            if len(self._decode(self.ids[:mid])) >= end:
+            if self._text(mid).startswith(through):
                 high = mid
             else:
                 low = mid + 1
         return low
+
+
+def _stop_start(text: str, stop: str) -> int:
+    """The length of the longest proper prefix of `stop` that `text` ends with (0 if none)."""
+    for k in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:k]):
+            return k
+    return 0

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import openai
 import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,6 +29,7 @@ from specjax import Sampling
 from specjax.cli import main
 from specjax.engine import Engine, engine_options
 from specjax.metrics import ServerMetrics
+from specjax.protocol import RequestError, Served, chat_plan, completion_plan
 from specjax.server import bind, create_app
 from specjax.textstream import TextStream
 from conftest import running
@@ -38,8 +40,8 @@ NAME = "tiny-code-chat"
 MAX_LEN = 256  # prompt + max_tokens <= 112 in every test: `generate` then sizes its engine alike
 LOOKUP = specjax.Adaptive(specjax.NgramProposer(k=1))  # the served speculation, and the references'
 # a template of the tests' own, rendered again by hand below (the shipped model has none)
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}{% if m['name'] is defined %} {{ m['name'] }}{% endif %}|>"
+            "\n{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 PROMPTS = ["def fibonacci(n):", "class Stack:\n", "import os\n\ndef walk(path):", "def add(a, b):\n    return",
            "for i in range(10):\n", "class Queue:\n    def __init__(self):\n", "def parse(text):\n    \"\"\"",
            "try:\n    import json\nexcept ImportError:"]
@@ -76,6 +78,12 @@ def url(model):
     engine = Engine(model, max_batch=2, max_len=MAX_LEN, num_pages=pages, **options)
     with running(create_app(engine, NAME, per_request)) as base:
         yield base
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    """What the server checks requests against, for tests of the checks alone."""
+    return Served(NAME, model.tokenizer, model.config.vocab_size, tuple(model.eos_ids), MAX_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +169,33 @@ def test_seed_reproduces_sampling_and_n_gives_seed_after_seed(client, model, tok
     assert streamed == want
 
 
+def test_seeds_take_any_64_bit_integer_modulo_2_32(client, model, tokenizer):
+    """vLLM's seed range; the engine's 32-bit seed is the request's modulo 2**32."""
+    ids = ids_of(tokenizer, PROMPTS[1])
+    kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=24, temperature=0.9, top_p=0.95, extra_body={"top_k": 40})
+    for seed in (-5, 2 ** 40 + 5, 2 ** 63 - 1, -2 ** 63):
+        want = alone(model, tokenizer, ids, 24, temperature=0.9, top_k=40, top_p=0.95, seed=seed % 2 ** 32)[0]
+        assert client.completions.create(seed=seed, **kw).choices[0].text == want, seed
+
+
+def test_completions_default_to_16_tokens_and_chat_to_the_rest_of_the_context(client, model, tokenizer, served):
+    """OpenAI's and vLLM's max_tokens defaults: 16 for completions (fewer where the context
+    has less room), the rest of the context for chat."""
+    ids = ids_of(tokenizer, PROMPTS[6])
+    text = alone(model, tokenizer, ids, 16, stop_ids=())[0]
+    got = client.completions.create(model=NAME, prompt=PROMPTS[6], temperature=0, extra_body={"ignore_eos": True})
+    assert (got.choices[0].text, got.usage.completion_tokens, got.choices[0].finish_reason) == (text, 16, "length")
+
+    def budgets(plan):
+        return [s.max_new_tokens for s in plan.submissions]
+
+    assert budgets(completion_plan({"prompt": "x", "max_tokens": None}, served)) == [16]
+    assert budgets(completion_plan({"prompt": list(range(MAX_LEN - 6))}, served)) == [6]
+    rendered = "<|user|>\ndef add(a, b):\n<|assistant|>\n"
+    plan = chat_plan({"messages": [{"role": "user", "content": "def add(a, b):"}]}, served)
+    assert budgets(plan) == [MAX_LEN - len(ids_of(tokenizer, rendered))]
+
+
 def test_concurrent_clients_each_get_their_request_alone(client, model, tokenizer, rng):
     """32 clients at once, greedy and sampled, streaming or not, different lengths and
     ignore_eos: each gets what its request generates alone."""
@@ -241,7 +276,7 @@ def test_stop_strings_and_stop_ids_end_the_text(client, model, tokenizer):
 
 
 BAD = [
-    ({"model": "gpt-4", "prompt": "x"}, "model"),
+    ({"model": 4, "prompt": "x"}, "model"),
     ({"prompt": list(range(MAX_LEN + 4))}, "prompt"),
     ({"prompt": "x", "max_tokens": MAX_LEN}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -253,12 +288,20 @@ BAD = [
     ({"prompt": "x", "top_k": -2}, "top_k"),
     ({"prompt": "x", "min_p": 1.5}, "min_p"),
     ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": "x", "seed": 2 ** 63}, "seed"),
+    ({"prompt": "x", "seed": -2 ** 63 - 1}, "seed"),
+    ({"prompt": "x", "seed": 1.5}, "seed"),
+    ({"prompt": "x", "seed": True}, "seed"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "stop_token_ids": [8192]}, "stop_token_ids"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "logprobs": 2}, "logprobs"),
+    ({"prompt": "x", "logprobs": 0}, "logprobs"),  # 0 == False in Python, but it asks for logprobs
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "x", "presence_penalty": False}, "presence_penalty"),
+    ({"prompt": "x", "top_logprobs": 0}, "top_logprobs"),  # a chat field: unknown here
+    ({"prompt": "x", "tools": []}, "tools"),
     ({"prompt": "x", "max_tokns": 5}, "max_tokns"),
 ]
 
@@ -277,6 +320,112 @@ def test_bad_requests_get_400_naming_the_field(url, client):
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     # the server keeps serving
     assert client.completions.create(model=NAME, prompt="x", max_tokens=3, temperature=0).usage.completion_tokens
+
+
+def test_errors_are_openai_json(url, client):
+    """What does not exist is a 404 (an unknown model with OpenAI's model_not_found), a
+    wrong method a 405, and text the tokenizer cannot take (lone surrogates, which JSON's
+    escapes allow) a 400 naming the field: all in OpenAI's error shape."""
+    with httpx.Client(base_url=url, timeout=60) as http:
+        chat = {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}
+        for r in (http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}),
+                  http.post("/v1/chat/completions", json=chat), http.get("/v1/models/gpt-4")):
+            assert r.status_code == 404, r.request
+            error = r.json()["error"]
+            assert (error["param"], error["type"], error["code"]) == ("model", "invalid_request_error",
+                                                                      "model_not_found")
+        r = http.get("/v1/nothing")
+        assert r.status_code == 404 and "GET /v1/nothing" in r.json()["error"]["message"]
+        r = http.post("/v1/models")
+        assert r.status_code == 405 and "GET" in r.headers["allow"]
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        lone = [("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+                ("/v1/completions", '{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt"),
+                ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+                ("/v1/completions", '{"prompt": "x", "\\ud800": 1}', "\ud800")]  # an unknown field, named
+        for path, body, param in lone:
+            r = http.post(path, content=body.encode(), headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.headers["content-type"] == "application/json", body
+            assert r.json()["error"]["param"] == param, body
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    card = client.models.retrieve(NAME)
+    assert (card.id, card.object) == (NAME, "model")
+
+
+class Gated:
+    """A tokenizer whose encoding of "wait" waits for `gate` (setting `entered` first) and of
+    "fail" raises, as an unforeseen failure would."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.entered, self.gate = tokenizer, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, text, **kw):
+        if text == "fail":
+            raise RuntimeError("the test's tokenizer failed")
+        if text == "wait":
+            self.entered.set()
+            assert self.gate.wait(60)
+        return self.tokenizer(text, **kw)
+
+
+def test_a_prompt_being_tokenized_leaves_the_server_answering(model):
+    """Tokenizing runs off the event loop: while one prompt's tokenizing waits, the server
+    answers other requests (here the model card of a name with a "/"); a failure nobody
+    foresaw is a 500 in OpenAI's error shape."""
+    gated = Gated(model.tokenizer)
+    engine = Engine(dataclasses.replace(model, tokenizer=gated), None, max_batch=1, max_len=MAX_LEN)
+    with running(create_app(engine, "org/tiny")) as base, ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(httpx.post, f"{base}/v1/completions", json={"prompt": "wait", "max_tokens": MAX_LEN},
+                              timeout=60)
+        try:
+            assert gated.entered.wait(30)
+            r = httpx.get(f"{base}/v1/models/org/tiny", timeout=10)
+            assert r.status_code == 200 and r.json()["id"] == "org/tiny"
+        finally:
+            gated.gate.set()
+        r = waiting.result()  # then it goes on (and is refused: no room for that many tokens)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "fail"}, timeout=60)
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert error["type"] == "server_error" and "the test's tokenizer failed" in error["message"]
+
+
+def test_neutral_values_must_match_in_type_and_endpoint(served):
+    """A field the server does not implement passes only with its neutral value, a boolean
+    only where that is one (0 == False in Python, but logprobs: 0 asks for logprobs), and
+    only on the endpoint that has the field."""
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for extra in ({"logprobs": False}, {"top_logprobs": 0}, {"presence_penalty": 0.0}, {"tools": []},
+                  {"repetition_penalty": 1.0}):
+        chat_plan(chat | extra, served)
+    completion_plan({"prompt": "x", "logprobs": False, "echo": False, "suffix": "", "best_of": 1}, served)
+    for extra in ({"logprobs": 0}, {"logprobs": True}, {"top_logprobs": False}, {"repetition_penalty": True},
+                  {"suffix": ""}, {"best_of": 1}):
+        with pytest.raises(RequestError) as e:
+            chat_plan(chat | extra, served)
+        assert e.value.param == next(iter(extra)), extra
+
+
+def test_chat_messages_are_rendered_as_vllm_renders_them(served, tokenizer):
+    """Text parts are joined by newlines, an assistant message's null content is empty, and
+    a message's name reaches the template."""
+    messages = [{"role": "system", "content": [{"type": "text", "text": "You write"},
+                                               {"type": "text", "text": "Python."}]},
+                {"role": "user", "name": "ada", "content": "hi"},
+                {"role": "assistant", "content": None},
+                {"role": "user", "content": "def add(a, b):"}]
+    rendered = ("<|system|>\nYou write\nPython.\n<|user ada|>\nhi\n<|assistant|>\n\n<|user|>\ndef add(a, b):\n"
+                "<|assistant|>\n")
+    assert chat_plan({"messages": messages}, served).prompts == [ids_of(tokenizer, rendered)]
+    for bad in ({"role": "user", "content": None}, {"role": "user", "content": "x", "name": 3}):
+        with pytest.raises(RequestError) as e:
+            chat_plan({"messages": [bad]}, served)
+        assert e.value.param == "messages", bad
 
 
 def test_chat_without_a_template_names_messages(model):
@@ -358,6 +507,53 @@ def test_text_stream_holds_back_what_may_start_a_stop_string(tokenizer):
     stream = TextStream(tokenizer)
     ids = ids_of(tokenizer, "naïve ☃")
     assert "".join(stream.add([t]) for t in ids) + stream.add([], final=True) == tokenizer.decode(ids)
+
+
+def test_text_stream_cuts_before_a_stop_string_ahead_of_a_split_character(tokenizer, rng):
+    """A stop string whose last characters arrive in pieces (a multi-byte character split
+    across tokens): what comes before them is held too, so the text ends before the stop
+    string, as the whole text cut at its first occurrence does, and the token count is the
+    fewest tokens whose text reaches the stop string's end. Random texts, stops and chunks."""
+    for text, stop, want in [("x = 1 ☃ y", " ☃", "x = 1"), ("a → b", " →", "a"), ("价格: 你好", ": 你", "价格")]:
+        ids = ids_of(tokenizer, text)
+        stream = TextStream(tokenizer, [stop])
+        assert "".join(stream.add([t]) for t in ids) == want and stream.stopped, text
+    pieces = ["x", " = ", "1", " ", "☃", "→", "价格", ": ", "你好", "naïve", "😀", "\n", "def f():", "€"]
+    for _ in range(300):
+        ids = ids_of(tokenizer, "".join(rng.choice(pieces, int(rng.integers(2, 10)))))
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        at = int(rng.integers(len(full)))
+        stop = full[at:at + int(rng.integers(1, 5))]
+        cut = full.find(stop)
+        used = next(n for n in range(1, len(ids) + 1)
+                    if tokenizer.decode(ids[:n], skip_special_tokens=True).startswith(full[:cut + len(stop)]))
+        stream, plain, sent, whole, i = TextStream(tokenizer, [stop, "\x00absent"]), TextStream(tokenizer), "", "", 0
+        while i < len(ids):
+            j = min(len(ids), i + int(rng.integers(1, 4)))
+            if not stream.stopped:
+                sent += stream.add(ids[i:j], final=j == len(ids))
+                assert full[:cut].startswith(sent), (full, stop, sent)
+            whole += plain.add(ids[i:j], final=j == len(ids))
+            i = j
+        assert (sent, stream.stopped, stream.tokens_used) == (full[:cut], True, used), (full, stop)
+        assert whole == full
+
+
+def test_text_stream_decodes_each_token_a_bounded_number_of_times(tokenizer):
+    """An update decodes the new tokens and a few before them, not the whole text again:
+    the tokens decoded over a completion grow with its length, not with its square."""
+    decoded = []
+
+    class Counting:
+        def decode(self, ids, **kw):
+            decoded.append(len(ids))
+            return tokenizer.decode(ids, **kw)
+
+    ids = ids_of(tokenizer, "\n".join(PROMPTS + ["naïve ☃ 价格: 你好 😀"]) * 6)
+    stream = TextStream(Counting(), ["\x00absent"])
+    sent = "".join(stream.add([t]) for t in ids) + stream.add([], final=True)
+    assert sent == tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(ids) > 400 and sum(decoded) < 20 * len(ids)  # decoding all each time: len(ids) / 2 a token
 
 
 def test_speculation_counters_per_round():
