@@ -36,9 +36,11 @@ def prior_width_costs(rows: int) -> np.ndarray:
 
 
 def chain_cost(draft_ratio: float) -> np.ndarray:
-    """Prior extra cost per width of a draft model's chain of W - 2 steps, each
-    `draft_ratio` (its weight bytes over the target's) of a target step."""
-    return np.array([max(w - 2, 0) * draft_ratio for w in steps.BUCKETS])
+    """Prior extra cost per width of a draft model's W - 1 drafts: the feed of the
+    committed tokens its cache lacks and a chain of W - 2 steps, each `draft_ratio` (its
+    weight bytes over the target's) of a target step (a round without drafts feeds it
+    only to catch up: `rounds.rounds`)."""
+    return np.array([max(w - 1, 0) * draft_ratio for w in steps.BUCKETS])
 
 
 def block_cost(rows: int, ratio: float, block_size: int) -> np.ndarray:

@@ -97,7 +97,8 @@ def draft_token(logits: jax.Array, positions: jax.Array, seeds: jax.Array, rs: R
 
 def feed(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, history: jax.Array, size: jax.Array, width: int):
     """Append history[dlen : size] (the committed tokens the draft cache lacks, dlen =
-    dkv.lengths) to the draft cache; returns (draft logits after the last [R, V], cache)."""
+    dkv.lengths), at most `width` of them, to the draft cache; returns (draft logits after
+    the last fed [R, V], cache). Slots up to dlen + width - 1 are written."""
     rows = history.shape[0]
     start = dkv.lengths
     at = start[:, None] + jnp.arange(width)
@@ -105,7 +106,7 @@ def feed(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, history: jax.Array, s
     h, dkv, _ = hidden_states(dparams, dcfg, tokens, at, dkv)
     last = jnp.clip(size - start - 1, 0, width - 1)
     logits = unembed(dparams, dcfg, h[jnp.arange(rows), last])
-    return logits, dkv.replace(lengths=jnp.maximum(size, start))
+    return logits, dkv.replace(lengths=jnp.maximum(jnp.minimum(size, start + width), start))
 
 
 def chain(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, first: jax.Array, first_logq: jax.Array | None,

@@ -33,7 +33,7 @@ from .model import Model
 from .pages import SCRATCH, PageAllocator, PoolError
 from .proposers import ProposerError, check_k, check_ngram, check_tree
 from .qwen3 import head_weight
-from .rounds import SOURCES, SPAN, new_state, prefill_chunk, rounds
+from .rounds import FEEDS, SOURCES, SPAN, new_state, prefill_chunk, rounds
 from .sampling import RowSampling, Sampling
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -229,8 +229,10 @@ class Engine:
         self.max_batch, self.page_size, self.n_rounds = max_batch, page_size, rounds
         self.join_rounds = max(1, rounds // 4)
         self.max_len = max_len
-        # slots a row may write past its length in a round: a verify step, a DFlash block, a draft model's tree
+        # slots a row may write past its length in a round: a verify step, a DFlash block, a draft model's
+        # feed (as wide as the row that lags most needs) and tree
         self.margin = max(SPAN, dflash.config.block_size if dflash is not None else 0,
+                          FEEDS[-1] if draft is not None else 0,
                           draft_tree_slots(min(self.spec.nodes, self.compiled_k)) if draft is not None and
                           self.spec.nodes and self.k else 0)
         self.pages_per_row = -(-(max_len + self.margin) // page_size)

@@ -3,9 +3,12 @@
 One round, for every row at once:
 1. draft: prompt lookup on the row's own history (the tokens after the latest earlier
    occurrence of its longest suffix of max_ngram .. min_ngram tokens) and the engine's
-   model proposers (`specjax.drafters`): a draft model, fed the row's newly committed
-   tokens (1-2 after a round it drafted, up to a round's worth otherwise), which gives d1,
-   chained W - 2 more steps when the round uses it (and some row takes it as a chain), or
+   model proposers (`specjax.drafters`): a draft model, fed the committed tokens its cache
+   lacks, which gives d1, in rounds where some row expects the most tokens per second from
+   it (every round of an engine that does not choose) or lags a round's worth behind (so a
+   row that leaves it for lookup or plain steps pays for feeding it once per 16-31 tokens
+   rather than once per round); chained W - 2 more steps when the round uses it (and some
+   row takes it as a chain), or
    for rows with a tree budget its best tree (`drafters.draft_tree`: one draft step per
    depth over a frontier of the best nodes); a DFlash drafter, one block pass over its
    context rows when the round uses it;
@@ -64,7 +67,8 @@ from .sampling import RowSampling
 from .tree_accept import accept_tree_rows
 
 SPAN = steps.BUCKETS[-1]  # widest verify step: tokens a row commits per round at most
-FEEDS = (2, SPAN)  # draft-model feed widths: after a round it drafted, and after any round
+# draft-model feed widths: after a round it drafted, after any round, catching up a row that lags
+FEEDS = (2, SPAN, 2 * SPAN)
 DRAFT_COLUMN, HOST_COLUMN, DFLASH_COLUMN = 1, 2, 3  # past max_ngram: acceptance state columns
 SOURCES = ("lookup", "draft", "dflash")  # where a round's drafts came from (lookup: or a host drafter)
 
@@ -306,10 +310,15 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             return (_fit(tokens, wm), _fit(positions, wm), own, nan, tapped), (kv, scratch)
         return go
 
-    def feed_at(width):
+    def feed_at(width):  # (the draft logits after the last fed token, d1 and its log-probs)
         def go(dkv, history, size):
-            return feed(dparams, dcfg, dkv, history, size, width)
+            logits, dkv = feed(dparams, dcfg, dkv, history, size, width)
+            return (logits, *draft_token(logits, size, seeds, rs, drawn, sample_drafts)), dkv
         return go
+
+    def no_feed(dkv, history, size):
+        shapes = jax.eval_shape(feed_at(FEEDS[0]), dkv, history, size)[0]
+        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), dkv
 
     def block(fkv, last, start):
         drafts, logq, fkv, ranked = block_drafts(fparams, fcfg, fkv, params, cfg, last, start, fk, seeds, rs, drawn,
@@ -403,12 +412,31 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                                     else jnp.where((subset & bit[name]) > 0, expect[name], 0.0), 0.0)
                     for name in models}
 
-        first, first_logq, dlen = jnp.zeros(rows, jnp.int32), None, None
+        first, first_logq, dlen, caught = jnp.zeros(rows, jnp.int32), None, None, jnp.zeros(rows, bool)
         if dcfg is not None:
+            # fed where a row may take its drafts this round (one that chooses: where they are its best
+            # tokens per second) or lags a round's worth (caught up whole: no row lags 2 * SPAN); only a
+            # row fed up to its last token is offered its drafts or scored
             dlen = dkv.lengths
-            big = jnp.any(live & (size - dlen > FEEDS[0]))
-            logits, dkv = steps.switch(big.astype(jnp.int32), [feed_at(w) for w in FEEDS], dkv, history, size)
-            first, first_logq = draft_token(logits, size, seeds, rs, drawn, sample_drafts)
+            lag = size - dlen
+            drafting = live & (offered["draft"] > 0)
+            wanted = drafting
+            if adaptive:
+                n_w = len(widths)
+                mine = expect["draft"] / costs[bit["draft"], :n_w]
+                if d_nodes:
+                    mine = jnp.maximum(mine, jnp.where(growable[:, None], grown_expect / costs[grow_bit, :n_w], 0.0))
+                wanted = wanted & (jnp.max(mine, axis=1) >= jnp.max(e_l / costs[0, :n_w], axis=1))
+            fed = wanted | (drafting & (lag >= SPAN))
+            widest = jnp.max(jnp.where(fed, lag, 0))
+            which = jnp.where(jnp.any(fed), 1 + jnp.sum(widest > jnp.array(FEEDS[:-1])), 0)
+            (logits, first, first_logq), dkv = steps.switch(which, [no_feed] + [feed_at(w) for w in FEEDS], dkv,
+                                                            history, size)
+            caught = jnp.any(fed) & (dkv.lengths >= size)
+            fed_len = dkv.lengths
+            offered["draft"] = jnp.where(caught, offered["draft"], 0)
+            if d_nodes:
+                growable = growable & caught
         any_drafts = jnp.any(found > 0)
         for name in models:
             any_drafts = any_drafts | jnp.any(offered[name] > 0)
@@ -565,7 +593,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         if k:
             state = _score(state, m, lookup_drafts, jnp.minimum(found, judged), out, count, jnp.where(m > 0, ACCEPT_DECAY, 1.0))
         if dcfg is not None:
-            model_n = jnp.where(use[:, 1] & live, jnp.where(chained, jnp.minimum(room[pick], limit),
+            model_n = jnp.where(use[:, 1] & live & caught, jnp.where(chained, jnp.minimum(room[pick], limit),
                                                             jnp.minimum(limit, 1)), 0)
             if d_nodes:  # a tree row's draft chain is the tree's greedy chain, as far as it was expanded
                 model_drafts = jnp.where(grown[:, None], _fit(greedy, model_drafts.shape[1]), model_drafts)
@@ -574,7 +602,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                            jnp.where(model_n > 0, ACCEPT_DECAY, 1.0))
             # the draft cache keeps the chain's fed drafts that were committed (never the newest token), and a
             # tree row the fed nodes of its accepted path, moved from their slots into place, where no chain
-            # ran; the next feed (<= SPAN tokens) feeds the rest
+            # ran; a later feed feeds the rest (a row not caught up keeps what its feed reached)
             agree = jnp.sum(jnp.cumprod((model_drafts == out[:, :model_drafts.shape[1]]).astype(jnp.int32),
                                         axis=1), axis=1)
             fed = jnp.where(chained & ~grown, jnp.minimum(room[pick], k) - 1, 0)
@@ -584,7 +612,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 in_tree = jnp.where(grown & ~chained, in_tree, 0)
                 dkv = compact_paths(dkv.replace(lengths=size), slots, in_tree)
                 kept = jnp.where(grown, in_tree, kept)
-            dkv = dkv.replace(lengths=jnp.where(count > 0, size + kept, dlen))
+            dkv = dkv.replace(lengths=jnp.where(count > 0, jnp.where(caught, size + kept, fed_len), dlen))
         if fcfg is not None:  # a pass's drafts are judged for every row that may take them
             block_n = jnp.where(((subset & bit["dflash"]) > 0) & live, jnp.minimum(offered["dflash"], judged), 0)
             state = _score(state, jnp.full((rows,), column["dflash"], jnp.int32), block_drafts_, block_n, out, count,

@@ -137,7 +137,7 @@ def test_expansion_matches_a_best_first_rederivation(pair):
             assert main == [tuple(chain[:len(x)]) for x in main]  # "main" nodes lie on the greedy chain
 
 
-SPAN_LAG = 16  # the draft cache lags the committed tokens by at most a round's worth
+SPAN_LAG = 16  # a draft cache fed every round lags the committed tokens by at most a round's worth
 CHECKED = 80  # tokens a draft-cache check covers (one compiled prefill)
 
 
@@ -152,11 +152,12 @@ def _fresh_keys(draft):
     return jax.jit(keys)
 
 
-def _cache_holds_committed(engine, req, keys) -> None:
+def _cache_holds_committed(engine, req, keys, lag: int = SPAN_LAG) -> None:
     """The draft cache's keys of req's row at its dlen positions equal those of a fresh
-    prefill of its committed tokens (the last layer's: they depend on every earlier one)."""
+    prefill of its committed tokens (the last layer's: they depend on every earlier one),
+    and it lags them by at most `lag`."""
     n = req.dlen
-    assert req.length - SPAN_LAG <= n <= req.length <= CHECKED
+    assert req.length - lag <= n <= req.length <= CHECKED
     slots = np.asarray(kvlib.row_slots(jnp.asarray(engine.table[req.slot:req.slot + 1]), engine.page_size))[0, :n]
     got = np.asarray(kvlib.layer_slots(engine.dk_pool, engine.draft.config.num_hidden_layers - 1))[:, slots]
     ids = np.zeros((1, CHECKED), np.int32)
