@@ -18,6 +18,7 @@ import dataclasses
 import warnings
 from typing import Any
 
+from .errors import is_integer
 from .proposers import DFlashProposer, DraftProposer, NgramProposer, ProposerError
 
 
@@ -57,6 +58,6 @@ def LookupProposer(k: int = 15, max_ngram: int = 3, min_ngram: int = 1, steps: i
     warnings.warn("LookupProposer is deprecated; use Adaptive(NgramProposer(k=...)) (the engine chooses each "
                   "step's k up to k) or NgramProposer(k=...) alone (k drafts every step)", DeprecationWarning,
                   stacklevel=2)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if not is_integer(steps) or steps < 1:
         raise ProposerError(f"steps must be an integer >= 1, got {steps!r}")
     return Adaptive(NgramProposer(k, max_ngram, min_ngram))

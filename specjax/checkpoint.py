@@ -198,11 +198,7 @@ def _weight_files(folder: Path) -> dict[str, Path]:
     index = folder / "model.safetensors.index.json"
     single = folder / "model.safetensors"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
-        files = {name: folder / f for name, f in weight_map.items()}
+        files = {name: folder / f for name, f in _weight_map(index).items()}
         for f in set(files.values()):
             if not f.is_file():
                 raise CheckpointError(f"{index}: lists shard {f.name}, which is missing")
@@ -211,6 +207,20 @@ def _weight_files(folder: Path) -> dict[str, Path]:
         with _open(single) as f:
             return {name: single for name in f.keys()}
     raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """A safetensors index's weight_map (tensor name -> shard file name); anything but a
+    JSON object whose weight_map maps strings to strings is a CheckpointError naming it."""
+    try:
+        raw = json.loads(index.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: not a valid safetensors index (expected a JSON object whose weight_map maps "
+                              f"tensor names to file names, got {json.dumps(raw)[:80]})")
+    return weight_map
 
 
 @contextlib.contextmanager
@@ -227,12 +237,16 @@ def _open(path: Path) -> Iterator[Any]:
 
 
 SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# the tensor dtypes read (safetensors header names -> names): float8 and integer tensors are
+# the codes of a quantized checkpoint, or not weights at all
+READ_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
 def iter_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]], dtype: Any,
                  optional: Iterable[str] = (), keep16: bool = False) -> Iterator[tuple[str, jax.Array]]:
     """The named tensors of a safetensors folder as (name, array) in `dtype`, one at a time
-    in file order; presence is checked before the first is read, shape and dtype as each is.
+    in file order; presence is checked before the first is read, shape and dtype (one of
+    READ_DTYPES) from the file's header before each is.
     Tensors named in `optional` are read when present. With `keep16`, matrices stored in
     bfloat16 or float16 stay as stored (for the CPU kernel, which widens them exactly)."""
     folder = Path(folder)
@@ -253,12 +267,14 @@ def iter_tensors(folder: str | Path, expected: dict[str, tuple[int, ...]], dtype
             for name in file_names:
                 if name not in f.keys():
                     raise CheckpointError(f"{path}: does not hold tensor {name}, which the index places there")
+                header = f.get_slice(name)  # shape and dtype from the header, before the data is read
+                if name in expected and tuple(header.get_shape()) != tuple(expected[name]):
+                    raise CheckpointError(f"{path}: tensor {name} has shape {tuple(header.get_shape())}, expected "
+                                          f"{tuple(expected[name])}")
+                if header.get_dtype() not in READ_DTYPES:
+                    raise CheckpointError(f"{path}: tensor {name} has dtype {header.get_dtype()}; specjax reads "
+                                          f"{', '.join(READ_DTYPES.values())} tensors only (no quantized checkpoints)")
                 t = f.get_tensor(name)
-                if name in expected and tuple(t.shape) != tuple(expected[name]):
-                    raise CheckpointError(
-                        f"{path}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(expected[name])}")
-                if not jnp.issubdtype(t.dtype, jnp.floating):
-                    raise CheckpointError(f"{path}: tensor {name} has non-float dtype {t.dtype}")
                 yield name, t if keep16 and t.ndim == 2 and jnp.dtype(t.dtype) in SIXTEEN_BIT else t.astype(dtype)
 
 

@@ -70,6 +70,13 @@ def _rope_theta(raw: dict[str, Any], source: str) -> float:
     return float(theta)
 
 
+def _defaults_named(message: str, raw: dict[str, Any]) -> str:
+    """For each field `message` names that the file `raw` leaves out: a note of the
+    transformers default it took (a wrong value the file does not show)."""
+    return "".join(f"; {key} is missing from the file, so it is transformers' default {HF_DEFAULTS[key]!r}"
+                   for key in HF_DEFAULTS if key not in raw and key in message)
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
     """Static architecture of a Qwen3 decoder; hashable so it can key compiled steps."""
@@ -128,6 +135,11 @@ class Qwen3Config:
             raise ConfigError(f"{source}: use_sliding_window=true is not supported")
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{source}: hidden_act {raw.get('hidden_act')!r} is not supported (only 'silu')")
+        quant = raw.get("quantization_config")
+        if quant:  # FP8, GPTQ, AWQ, ...: the tensors hold codes and scales, not the weights
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ConfigError(f"{source}: quantization_config (quant_method {method!r}) is not supported: specjax "
+                              "loads unquantized float checkpoints (load(dtype='int8') quantizes one itself)")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in raw]
         if missing:
@@ -139,7 +151,7 @@ class Qwen3Config:
         heads = get("num_attention_heads", int)
         # null KV heads means one per query head, as in transformers
         kv_heads = heads if raw.get("num_key_value_heads", 0) is None else get("num_key_value_heads", int)
-        return cls(
+        fields = dict(
             vocab_size=get("vocab_size", int),
             hidden_size=get("hidden_size", int),
             intermediate_size=get("intermediate_size", int),
@@ -155,6 +167,10 @@ class Qwen3Config:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=parse_eos(raw.get("eos_token_id"), source),
         )
+        try:
+            return cls(**fields)
+        except ConfigError as e:  # the checks of __post_init__, which knows no file
+            raise ConfigError(f"{source}: {e}{_defaults_named(str(e), raw)}") from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Qwen3Config":

@@ -26,9 +26,11 @@ from .checkpoint import weight_bytes
 from .costs import StepCosts, block_cost, chain_cost, prior_costs, tree_cost
 from .dflash import Drafter, fit_problems
 from .drafters import DFlashCache, draft_head, draft_tree_shape, draft_tree_slots
+from .errors import is_integer
 from .kv import KVCache
 from .lookup import MAX_NGRAM
-from .results import PREFILL_CHUNK, GenerateResult, GenerationError, Stats, token_ids, validate
+from .results import (PREFILL_CHUNK, GenerateResult, GenerationError, Stats, is_id_list, stop_set, token_ids,
+                      validate)
 from .model import Model
 from .pages import SCRATCH, PageAllocator, PoolError
 from .proposers import ProposerError, check_k, check_ngram, check_tree
@@ -170,15 +172,15 @@ class Engine:
         cfg = model.config
         if speculative is None or isinstance(speculative, Speculation):
             spec = speculative
-        elif isinstance(speculative, int) and not isinstance(speculative, bool):
+        elif is_integer(speculative):
             spec = Speculation(k=speculative)
         else:
             raise GenerationError(f"speculative must be None, an int k or a Speculation, got {speculative!r}")
         for name, value, low in (("max_batch", max_batch, 1), ("page_size", page_size, 1), ("rounds", rounds, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_integer(value) or value < low:
                 raise GenerationError(f"{name} must be an integer >= {low}, got {value!r}")
         max_len = min(cfg.max_position_embeddings, 4096) if max_len is None else max_len
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or not 2 <= max_len <= cfg.max_position_embeddings:
+        if not is_integer(max_len) or not 2 <= max_len <= cfg.max_position_embeddings:
             raise GenerationError(f"max_len must be an integer in [2, max_position_embeddings = "
                                   f"{cfg.max_position_embeddings}], got {max_len!r}")
         if draft is not None:
@@ -279,11 +281,11 @@ class Engine:
         if not isinstance(sampling, Sampling):
             raise GenerationError(f"sampling must be a specjax.Sampling, got {type(sampling).__name__}")
         k = self.k if k is None else k
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.k:
+        if not is_integer(k) or not 0 <= k <= self.k:
             raise GenerationError(f"k must be an integer in [0, {self.k}] (the engine's speculative k), got {k!r}")
         tree = self.spec.tree if tree is None else tree
         if tree == "auto" and self.spec.nodes == 0 or tree != "auto" and (
-                isinstance(tree, bool) or not isinstance(tree, int) or not 0 <= tree <= self.spec.nodes):
+                not is_integer(tree) or not 0 <= tree <= self.spec.nodes):
             raise GenerationError(f"tree must be an integer in [0, {self.spec.nodes}] (the engine's most nodes, "
                                   f"Speculation.tree){' or auto' if self.spec.nodes else ''}, got {tree!r}")
         total = len(ids) + max_new_tokens
@@ -294,7 +296,7 @@ class Engine:
         if need > self.pages.usable:
             raise PoolError(f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) needs {need} pages of "
                             f"{self.page_size} slots; the pool has {self.pages.usable}")
-        stops = frozenset(int(s) for s in (self.model.eos_ids if stop_ids is None else stop_ids))
+        stops = stop_set(self.model.eos_ids if stop_ids is None else stop_ids)
         if drafter is not None and not isinstance(drafter, HostDrafter):
             raise GenerationError(f"drafter must have a propose(history, limit) method, got {type(drafter).__name__}")
         req = Request(self, self._next_id, ids.astype(np.int32), max_new_tokens, sampling, seed, stops, k,
@@ -669,14 +671,12 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], *, max_new_to
     n = len(prompts)
     if n == 0:
         raise GenerationError("prompts is an empty list")
-    news = _per_prompt(max_new_tokens, n, "max_new_tokens", lambda v: isinstance(v, int))
+    news = _per_prompt(max_new_tokens, n, "max_new_tokens", is_integer)
     settings = _per_prompt(sampling, n, "sampling", lambda v: isinstance(v, Sampling))
-    seeds = _per_prompt(seed, n, "seed", lambda v: isinstance(v, (int, np.integer)))
-    one_stop_list = lambda v: v is None or (isinstance(v, (list, tuple, np.ndarray)) and
-                                            all(isinstance(s, (int, np.integer)) for s in v))
-    stops = _per_prompt(stop_ids, n, "stop_ids", one_stop_list)
+    seeds = _per_prompt(seed, n, "seed", is_integer)
+    stops = _per_prompt(stop_ids, n, "stop_ids", lambda v: v is None or is_id_list(v))
     options, per_request = engine_options(speculative)
-    longest = max(len(p) + (m if isinstance(m, int) else 0) for p, m in zip(prompts, news))
+    longest = max(len(p) + (int(m) if is_integer(m) else 0) for p, m in zip(prompts, news))
     engine = Engine(model, **options, max_batch=min(n, max_batch), max_len=max_len_for(model, longest))
     reqs = [engine.submit(p, max_new_tokens=m, sampling=s, seed=sd, stop_ids=st, **per_request)
             for p, m, s, sd, st in zip(prompts, news, settings, seeds, stops)]

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +15,14 @@ import jax.numpy as jnp
 from . import checkpoint
 from .checkpoint import CheckpointError, Params
 from .config import ConfigError, Qwen3Config, parse_eos, read_json, typed
+from .errors import SpecjaxError
 from .runtime import enable_compilation_cache
 from .sampling import Sampling, SamplingError
 from .sharding import AXIS, make_mesh, placer, shard_params
+
+
+class DtypeError(SpecjaxError):
+    """A compute dtype or KV-cache dtype that specjax does not run."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -38,10 +45,7 @@ class Model:
 
     def __post_init__(self) -> None:
         if self.kv_dtype is not None:
-            kind = jnp.dtype(self.kv_dtype)
-            if kind not in KV_DTYPES:
-                raise ValueError(f"kv_dtype {kind.name}: expected one of {', '.join(d.name for d in KV_DTYPES)}")
-            self.kv_dtype = kind
+            self.kv_dtype = checked_dtype(self.kv_dtype, "kv_dtype", KV_DTYPES)
 
     @property
     def cache_dtype(self) -> Any:
@@ -57,6 +61,23 @@ class Model:
 # What a KV cache may hold: on CPU the attention kernel reads float32 and bfloat16 pools
 # (widening bfloat16 exactly in registers); XLA's path reads any of them.
 KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# What a model may compute in: float32, bfloat16 and float16, and "int8" (float32 over
+# matrices quantized at load, `checkpoint.loading`). Others would load and then fail or
+# mislead: integer types in the first step, float8 with NaN logits, float64 narrowed to
+# float32 by JAX unless x64 is on.
+COMPUTE_DTYPES = (*KV_DTYPES, jnp.dtype(jnp.int8))
+
+
+def checked_dtype(value: Any, parameter: str, allowed: tuple[Any, ...]) -> Any:
+    """`value` as one of the `allowed` dtypes, else a DtypeError naming `parameter`."""
+    try:
+        kind = jnp.dtype(value)
+    except (TypeError, ValueError):  # not a dtype at all ("foo", 5)
+        kind = None
+    if kind is None or kind not in allowed:
+        shown = repr(value) if kind is None else kind.name
+        raise DtypeError(f"{parameter} {shown}: expected one of {', '.join(d.name for d in allowed)}")
+    return kind
 
 
 def default_dtype() -> Any:
@@ -64,11 +85,37 @@ def default_dtype() -> Any:
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a folder with either has a tokenizer
+# the JSON files transformers reads for one, searched for the culprit when it fails
+TOKENIZER_JSON = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json")
+
+
 def _load_tokenizer(folder: Path) -> Any:
-    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+    """The folder's tokenizer; None without tokenizer files. One that transformers cannot
+    build is a CheckpointError naming the file: the folder is broken, as transformers' and
+    vLLM's loads say, even for a caller that passes token ids."""
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(folder))
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # transformers raises whatever its parsers do: JSONDecodeError, KeyError, TypeError, ...
+        raise CheckpointError(f"{_broken_tokenizer_file(folder)}: cannot load the tokenizer "
+                              f"({type(e).__name__}: {e})") from e
+
+
+def _broken_tokenizer_file(folder: Path) -> str:
+    """The first of the folder's tokenizer JSON files that is not a JSON object, else the
+    folder and the tokenizer files it has (what a failure to build one names)."""
+    present = [folder / name for name in TOKENIZER_JSON if (folder / name).is_file()]
+    for path in present:
+        try:
+            if isinstance(json.loads(path.read_text()), dict):
+                continue
+        except ValueError:  # not JSON, or not UTF-8
+            pass
+        return str(path)
+    return f"{folder} ({', '.join(path.name for path in present)})"
 
 
 # transformers' GenerationConfig values for sampling fields a generation_config.json leaves
@@ -93,9 +140,37 @@ def generation_sampling(raw: dict[str, Any], source: str) -> Sampling:
         raise ConfigError(f"{source}: {e}") from None
 
 
+# generation_config.json fields that change what transformers' (or vLLM's) generate does
+# with the file and that specjax does not implement, each with the value that changes
+# nothing (null, unset, and an empty list do not either). SAMPLED_ONLY act only when
+# do_sample is true.
+UNAPPLIED: dict[str, Any] = {
+    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "no_repeat_ngram_size": 0,
+    "bad_words_ids": None, "sequence_bias": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+    "forced_bos_token_id": None, "forced_eos_token_id": None, "min_length": 0, "min_new_tokens": 0,
+    "exponential_decay_length_penalty": None, "num_beams": 1, "penalty_alpha": 0.0, "guidance_scale": 1.0,
+    "watermarking_config": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
+}
+SAMPLED_ONLY = frozenset({"typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"})
+
+
+def _warn_unapplied(raw: dict[str, Any], source: str) -> None:
+    """Warn (once per file: Python's default warning filter) about the generation_config.json
+    fields in UNAPPLIED that `raw` sets to a value that changes the output: specjax's
+    generation from this folder then differs from transformers' and vLLM's."""
+    sampled = raw.get("do_sample") is True
+    fields = [f"{key}={raw[key]!r}" for key, neutral in UNAPPLIED.items()
+              if raw.get(key) not in (None, neutral, [], {}) and (sampled or key not in SAMPLED_ONLY)]
+    if fields:
+        warnings.warn(f"{source}: {', '.join(fields)} not applied (specjax implements temperature, top_k, top_p "
+                      "and min_p only): its output can differ from transformers' and vLLM's generate with this "
+                      "file", stacklevel=2)
+
+
 def _generation_config(folder: Path, cfg: Qwen3Config) -> tuple[Qwen3Config, Sampling | None]:
     """generation_config.json's eos_token_id (preferred, as transformers' generate does)
-    and its sampling defaults; (cfg, None) without the file."""
+    and its sampling defaults; (cfg, None) without the file. Decoding options it sets that
+    specjax does not implement are warned about (`_warn_unapplied`)."""
     gen = folder / "generation_config.json"
     if not gen.is_file():
         return cfg, None
@@ -105,7 +180,9 @@ def _generation_config(folder: Path, cfg: Qwen3Config) -> tuple[Qwen3Config, Sam
     eos = parse_eos(raw.get("eos_token_id"), str(gen))
     if eos is not None:
         cfg = dataclasses.replace(cfg, eos_token_id=eos)
-    return cfg, generation_sampling(raw, str(gen))
+    defaults = generation_sampling(raw, str(gen))
+    _warn_unapplied(raw, str(gen))
+    return cfg, defaults
 
 
 def reading(folder: Path, dtype: Any, default: Any, mesh: jax.sharding.Mesh | None
@@ -113,7 +190,8 @@ def reading(folder: Path, dtype: Any, default: Any, mesh: jax.sharding.Mesh | No
     """How `load` / `load_dflash` read a folder for `dtype` (None: `default`): the compute
     dtype, the transform for each tensor and whether 16-bit matrices stay in 16 bits
     (`checkpoint.loading`); over a mesh each tensor is placed as it is read."""
-    requested, dtype = dtype is not None, jnp.dtype(dtype if dtype is not None else default)
+    requested, dtype = dtype is not None, checked_dtype(dtype if dtype is not None else default, "dtype",
+                                                        COMPUTE_DTYPES)
     if mesh is None:
         return checkpoint.loading(dtype, requested)
     if dtype == jnp.int8:
@@ -123,10 +201,13 @@ def reading(folder: Path, dtype: Any, default: Any, mesh: jax.sharding.Mesh | No
 
 def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = None, kv_dtype: Any = None
          ) -> Model:
-    """Load a local Hugging Face Qwen3 folder (weights sharded or not, any float dtype),
-    with its tokenizer and generation_config.json (eos ids, sampling defaults) when present.
+    """Load a local Hugging Face Qwen3 folder (weights sharded or not, stored in float32,
+    bfloat16, float16 or float64), with its tokenizer and generation_config.json (eos ids,
+    sampling defaults) when present. A tokenizer that does not load is an error (a
+    CheckpointError naming the file), even for callers that pass token ids.
 
-    `dtype` is the compute dtype (default: float32 on CPU, bfloat16 on accelerators). On
+    `dtype` is the compute dtype (default: float32 on CPU, bfloat16 on accelerators; one of
+    `COMPUTE_DTYPES`, else a DtypeError). On
     CPU with the default, matrices stored in bfloat16 or float16 stay in 16 bits in memory
     and the kernels widen them to float32 in registers (`cpu_kernels.Packed`): half the
     memory and the bytes a step reads, and bitwise the logits of ``dtype="float32"``,
@@ -135,9 +216,10 @@ def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = N
     of float32's bytes, and a different model.
 
     `kv_dtype` is what an engine keeps the model's keys and values in (default: the compute
-    dtype). ``kv_dtype="bfloat16"`` on CPU halves the cache's memory and the bytes attention
-    reads; each key and value is rounded to bfloat16 as it is stored, so it too is a
-    different model (its greedy and sampled output still equal its own plain decoding's).
+    dtype; float32, bfloat16 or float16). ``kv_dtype="bfloat16"`` on CPU halves the cache's
+    memory and the bytes attention reads; each key and value is rounded to bfloat16 as it
+    is stored, so it too is a different model (its greedy and sampled output still equal
+    its own plain decoding's).
 
     With a `jax.sharding.Mesh`, each weight is placed tensor-parallel over it as it is read
     (`specjax.sharding`), so a model larger than one device's memory loads; the result is
@@ -147,10 +229,13 @@ def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = N
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a directory")
-    cfg, defaults = _generation_config(folder, Qwen3Config.from_file(folder / "config.json"))
     dtype, transform, keep16 = reading(folder, dtype, default_dtype(), mesh)
+    if kv_dtype is not None:  # checked (again by Model) before minutes of reading weights
+        kv_dtype = checked_dtype(kv_dtype, "kv_dtype", KV_DTYPES)
+    cfg, defaults = _generation_config(folder, Qwen3Config.from_file(folder / "config.json"))
+    tokenizer = _load_tokenizer(folder)  # before the weights too: a broken file fails fast
     params = checkpoint.load_params(folder, cfg, dtype, transform, keep16)
-    return Model(cfg, params, dtype, _load_tokenizer(folder), folder, defaults, kv_dtype)
+    return Model(cfg, params, dtype, tokenizer, folder, defaults, kv_dtype)
 
 
 def save(model: Model, path: str | Path, dtype: str = "bfloat16", max_shard_bytes: int | None = None) -> None:

@@ -13,30 +13,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
-
 from . import dflash as dflashlib
 from . import steps
 from .model import Model
-from .errors import SpecjaxError
+from .errors import SpecjaxError, is_integer
 
 
 class ProposerError(SpecjaxError):
     """A proposer that cannot serve this target or these settings."""
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def check_k(k: int, largest: int) -> None:
-    if not _is_int(k) or not 1 <= k <= largest:
+    if not is_integer(k) or not 1 <= k <= largest:
         raise ProposerError(f"k must be an integer in [1, {largest}], got {k!r}")
 
 
 def check_ngram(max_ngram: int, min_ngram: int, largest: int | None = None) -> None:
     """1 <= min_ngram <= max_ngram (<= largest, where the lookup unrolls one compare per n)."""
-    if not (_is_int(max_ngram) and _is_int(min_ngram)) or not 1 <= min_ngram <= max_ngram:
+    if not (is_integer(max_ngram) and is_integer(min_ngram)) or not 1 <= min_ngram <= max_ngram:
         raise ProposerError(f"need integers 1 <= min_ngram <= max_ngram, got {min_ngram!r}, {max_ngram!r}")
     if largest is not None and max_ngram > largest:
         raise ProposerError(f"max_ngram must be at most {largest} for the on-device lookup, got {max_ngram}")
@@ -45,7 +39,7 @@ def check_ngram(max_ngram: int, min_ngram: int, largest: int | None = None) -> N
 def check_tree(tree: int | str, largest: int = steps.BUCKETS[-1] - 1) -> None:
     """tree: nodes of a draft tree in [0, largest] (0: chains), or "auto" (trees of up to
     `steps.BUCKETS[-1] - 1` nodes where they pay, chosen per row and round)."""
-    if tree != "auto" and (not _is_int(tree) or not 0 <= tree <= largest):
+    if tree != "auto" and (not is_integer(tree) or not 0 <= tree <= largest):
         raise ProposerError(f"tree must be an integer in [0, {largest}] (nodes of a draft tree; 0: chains) or "
                             f"'auto', got {tree!r}")
 

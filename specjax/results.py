@@ -9,7 +9,7 @@ import numpy as np
 
 from . import steps
 from .model import Model
-from .errors import SpecjaxError
+from .errors import SpecjaxError, is_integer
 
 PREFILL_CHUNK = 128
 MIN_CAPACITY = 256
@@ -107,7 +107,7 @@ def capacity_for(total: int) -> int:
     finer steps cost less per token; each distinct capacity compiles once (and is kept by
     the persistent compilation cache).
     """
-    need = max(total + steps.BUCKETS[-1] + PREFILL_CHUNK, MIN_CAPACITY)
+    need = max(int(total) + steps.BUCKETS[-1] + PREFILL_CHUNK, MIN_CAPACITY)  # int: a NumPy total too
     return -(-need // CAPACITY_STEP) * CAPACITY_STEP
 
 
@@ -122,15 +122,33 @@ def token_ids(ids: Any) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+def is_id_list(value: Any) -> bool:
+    """A list, tuple, set or 1-D array of integer token ids (one id alone is not one)."""
+    if isinstance(value, np.ndarray):
+        return value.ndim == 1 and (value.size == 0 or np.issubdtype(value.dtype, np.integer))
+    return isinstance(value, (list, tuple, set, frozenset)) and all(is_integer(s) for s in value)
+
+
+def stop_set(stop_ids: Any) -> frozenset[int]:
+    """A request's stop ids as the set its row stops at; anything but a collection of
+    integer ids (`is_id_list`) is a GenerationError."""
+    if not is_id_list(stop_ids):
+        raise GenerationError(f"stop_ids must be a list of integer token ids (() never stops early), got "
+                              f"{stop_ids!r:.80}")
+    return frozenset(int(s) for s in stop_ids)
+
+
 def validate(model: Model, ids: np.ndarray, max_new_tokens: int, capacity: int | None, seed: int) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 32:
+    """Check a request's prompt, max_new_tokens and seed (and `capacity`, when given) against
+    the model; the capacity its row needs (`capacity_for`, or the one given)."""
+    if not is_integer(seed) or not 0 <= seed < 2 ** 32:
         raise GenerationError(f"seed must be an integer in [0, 2**32), got {seed!r}")
     if ids.ndim != 1 or len(ids) == 0:
         raise GenerationError(f"prompt must be a non-empty 1-D list of token ids, got shape {ids.shape}")
     if ids.min() < 0 or ids.max() >= model.config.vocab_size:
         raise GenerationError(f"prompt token ids must be in [0, {model.config.vocab_size}), "
                               f"got min {ids.min()} max {ids.max()}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     total = len(ids) + max_new_tokens
     if total > model.config.max_position_embeddings:
@@ -138,10 +156,12 @@ def validate(model: Model, ids: np.ndarray, max_new_tokens: int, capacity: int |
                               f"max_position_embeddings ({model.config.max_position_embeddings})")
     if capacity is None:
         return capacity_for(total)
+    if not is_integer(capacity):
+        raise GenerationError(f"capacity must be an integer, got {capacity!r}")
     need = total + steps.BUCKETS[-1]
     if capacity < need or capacity % 16:
         raise GenerationError(f"capacity {capacity} is too small (or not a multiple of 16) for a prompt of "
                               f"{len(ids)} tokens plus {max_new_tokens} new tokens (needs >= {need})")
-    return capacity
+    return int(capacity)
 
 

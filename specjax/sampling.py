@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from .errors import SpecjaxError
+from .errors import SpecjaxError, is_integer, is_real
 
 # Counter streams: separate so that draft sampling, acceptance and residual draws are
 # independent of each other and of the target's own samples at the same position.
@@ -45,12 +45,17 @@ class Sampling:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
+        for name, kind in (("temperature", float), ("top_k", int), ("top_p", float), ("min_p", float)):
+            value = getattr(self, name)
+            if not (is_integer(value) if kind is int else is_real(value)):
+                raise SamplingError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+            object.__setattr__(self, name, kind(value))  # a NumPy scalar kept as Python's (the dataclass is frozen)
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if 0 < self.temperature < MIN_TEMPERATURE:  # XLA flushes subnormals: t would act as 0
             raise SamplingError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:.3g} (float32's smallest "
                                 f"normal number), got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if self.top_k < 0:
             raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")

@@ -55,6 +55,20 @@ def test_prompt_ids_for_a_folder_without_tokenizer(tmp_path, capsys, rng):
     assert e.value.code == 2 and "needs a tokenizer" in capsys.readouterr().err
 
 
+def test_broken_tokenizer_exits_2_naming_it(tmp_path, capsys):
+    """A folder whose tokenizer.json is corrupt is a bad folder, even for --prompt-ids (as
+    transformers and vLLM refuse it at load): exit 2 with the file named, no traceback."""
+    from conftest import hf_tiny
+
+    hf_tiny(tmp_path, num_hidden_layers=1)
+    (tmp_path / "tokenizer.json").write_text("{bad\n")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(tmp_path), "--prompt-ids", "5,6", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{tmp_path / 'tokenizer.json'}: cannot load the tokenizer" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("argv,match", [
     (["generate", "--model", "/nonexistent", "--prompt", "x"], "not a directory"),
     (["generate", "--prompt", "x", "--max-new-tokens", "0"], "max-new-tokens"),

@@ -2,6 +2,7 @@
 file is an error that names it (never a silent wrong model)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,6 +55,13 @@ def test_terse_config_reads_as_transformers_reads_it(tmp_path, case):
     ({"num_hidden_layers": 2.0}, "field num_hidden_layers must be int"),
     ({"tie_word_embeddings": "yes"}, "field tie_word_embeddings must be bool"),
     ({"eos_token_id": [1, "2"]}, "eos_token_id must be an int"),
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},
+     r"quantization_config \(quant_method 'fp8'\) is not supported"),
+    # __post_init__'s checks, with the default a missing field took
+    ({"num_attention_heads": 4}, r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(32\); "
+                                 "num_key_value_heads is missing from the file, so it is transformers' default 32"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 3}, r"multiple of num_key_value_heads \(3\)$"),
+    ({"head_dim": 7}, "head_dim must be even"),
 ])
 def test_unsupported_or_mistyped_fields_are_named(tmp_path, extra, match):
     path = tmp_path / "config.json"
@@ -89,6 +97,34 @@ def test_truncated_weights_file_is_named(tmp_path):
         specjax.load(tmp_path)
 
 
+@pytest.mark.parametrize("text", ["[]", "{}", '{"weight_map": []}', '{"weight_map": null}',
+                                  '{"weight_map": {"model.norm.weight": 3}}', "{bad"])
+def test_malformed_index_is_named(tmp_path, text):
+    hf_tiny(tmp_path, seed=5, max_shard_size="20KB")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(text)
+    with pytest.raises(CheckpointError, match="not a valid safetensors index") as err:
+        specjax.load(tmp_path)
+    assert str(index) in str(err.value)
+
+
+def test_float8_tensor_is_named_before_it_is_read(tmp_path):
+    """An FP8 matrix (as in quantized checkpoints, here without their quantization_config)
+    is refused from the file's header: numpy cannot even hold it."""
+    import torch
+    from safetensors.torch import load_file as load_torch, save_file as save_torch
+
+    hf_tiny(tmp_path, seed=4)
+    path = tmp_path / "model.safetensors"
+    weights = load_torch(path)
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights[name] = weights[name].to(torch.float8_e4m3fn)
+    save_torch(weights, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"{path}: tensor {name} has dtype F8_E4M3; specjax reads float32, "
+                                              "bfloat16, float16, float64 tensors only"):
+        specjax.load(tmp_path)
+
+
 def test_index_pointing_at_the_wrong_shard(tmp_path):
     hf_tiny(tmp_path, seed=5, max_shard_size="20KB")
     index_path = tmp_path / "model.safetensors.index.json"
@@ -109,6 +145,59 @@ def test_bad_generation_config_is_named(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match) as err:
         specjax.load(tmp_path)
     assert "generation_config.json" in str(err.value)
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-code"
+
+
+@pytest.mark.parametrize("file, text, named", [
+    ("tokenizer.json", "{bad", "tokenizer.json"), ("tokenizer.json", "", "tokenizer.json"),
+    ("tokenizer_config.json", "[]", "tokenizer_config.json"),
+    ("tokenizer.json", "{}", None),  # JSON, but no tokenizer: the folder and its tokenizer files are named
+])
+def test_broken_tokenizer_is_named_at_load(tmp_path, file, text, named):
+    """As in transformers and vLLM, a folder whose tokenizer does not load does not load,
+    whether or not the caller needs text: a CheckpointError naming the file."""
+    hf_tiny(tmp_path, seed=2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((SHIPPED / name).read_bytes())
+    assert specjax.load(tmp_path).tokenizer is not None
+    (tmp_path / file).write_text(text)
+    with pytest.raises(CheckpointError) as err:
+        specjax.load(tmp_path)
+    where = tmp_path / named if named else f"{tmp_path} (tokenizer.json, tokenizer_config.json)"
+    assert str(err.value).startswith(f"{where}: cannot load the tokenizer")
+
+
+@pytest.mark.parametrize("generation, warned", [
+    ({"do_sample": False, "repetition_penalty": 2.0, "no_repeat_ngram_size": 2},
+     "repetition_penalty=2.0, no_repeat_ngram_size=2"),
+    ({"do_sample": True, "temperature": 0.6, "presence_penalty": 1.5, "typical_p": 0.9, "bad_words_ids": [[3]]},
+     "presence_penalty=1.5, bad_words_ids=[[3]], typical_p=0.9"),
+    # the values that change nothing, and typical_p where nothing is sampled (transformers ignores it too)
+    ({"do_sample": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
+      "num_beams": 1, "typical_p": 0.9}, None),
+])
+def test_generation_options_specjax_does_not_apply_are_warned(tmp_path, generation, warned):
+    """generation_config.json options that transformers' generate applies and specjax does
+    not implement are named in a warning at load: every generation from the folder may then
+    differ from transformers' and vLLM's. Once: loading the folder again says nothing new.
+    Neutral values are silent."""
+    import warnings
+
+    hf_tiny(tmp_path, seed=6)
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps(generation))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's own: each warning once per place
+        specjax.load(tmp_path)
+        specjax.load(tmp_path)
+    ours = [str(w.message) for w in caught if str(gen) in str(w.message)]
+    if warned is None:
+        assert ours == []
+    else:
+        assert ours == [f"{gen}: {warned} not applied (specjax implements temperature, top_k, top_p and min_p only): "
+                        "its output can differ from transformers' and vLLM's generate with this file"]
 
 
 @pytest.mark.parametrize("attention_bias", [False, True])

@@ -3,12 +3,16 @@
 import dataclasses
 import json
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 
 import specjax
 from specjax.checkpoint import CheckpointError
 from specjax.config import ConfigError
+from specjax.engine import Engine
+from specjax.model import DtypeError
 from specjax.results import GenerationError
 from conftest import hf_tiny
 
@@ -104,6 +108,63 @@ def test_bad_seed(tiny, seed):
 def test_bad_max_new_tokens(tiny):
     with pytest.raises(GenerationError, match="max_new_tokens"):
         specjax.generate(tiny[2], [1, 2], max_new_tokens=0)
+
+
+def test_numpy_integers_are_integers(tiny):
+    want = specjax.generate(tiny[2], [1, 2], max_new_tokens=4, capacity=256, seed=3).tokens
+    got = specjax.generate(tiny[2], [1, 2], max_new_tokens=np.int64(4), capacity=np.int32(256), seed=np.uint8(3))
+    assert got.tokens == want
+    for bad in (True, 4.0, "4"):
+        with pytest.raises(GenerationError, match="max_new_tokens must be an integer"):
+            specjax.generate(tiny[2], [1, 2], max_new_tokens=bad)
+    with pytest.raises(GenerationError, match="capacity must be an integer"):
+        specjax.generate(tiny[2], [1, 2], max_new_tokens=4, capacity="256")
+    batch = specjax.generate(tiny[2], [[1, 2], [3]], max_new_tokens=np.int64(4), seed=np.uint8(3))
+    assert batch[0].tokens == want
+    engine = Engine(tiny[2], np.int64(3), max_batch=np.int32(2), max_len=np.int64(64), rounds=np.int8(4))
+    req = engine.submit([1, 2], max_new_tokens=4, seed=3, k=np.int64(2))
+    assert req.result().tokens == want
+
+
+@pytest.mark.parametrize("stop_ids", [7, np.int64(7), "7", ["a"], [7.0], [True], [[7]], np.array([[7]]),
+                                      np.array([7.0])], ids=repr)
+def test_bad_stop_ids_one_prompt_or_many(tiny, stop_ids):
+    """One check for both paths: each refuses what is not a list of integer ids."""
+    with pytest.raises(GenerationError, match="stop_ids must be"):
+        specjax.generate(tiny[2], [5, 6, 7], max_new_tokens=8, stop_ids=stop_ids)
+    with pytest.raises(GenerationError, match="stop_ids must be"):
+        specjax.generate(tiny[2], [[5, 6, 7], [5, 6]], max_new_tokens=8, stop_ids=stop_ids)
+
+
+def test_stop_ids_of_every_integer_kind(tiny, rng):
+    model = tiny[2]
+    ids = rng.integers(0, model.config.vocab_size, 12)
+    full = specjax.generate(model, ids, max_new_tokens=20, stop_ids=()).tokens
+    want = full[:full.index(full[5]) + 1]
+    for stops in ([full[5]], (np.int64(full[5]),), {full[5]}, np.array([full[5]], np.int32)):
+        assert specjax.generate(model, ids, max_new_tokens=20, stop_ids=stops).tokens == want
+        assert specjax.generate(model, [ids], max_new_tokens=20, stop_ids=stops)[0].tokens == want
+    assert specjax.generate(model, ids, max_new_tokens=20, stop_ids=np.array([])).tokens == full
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(dtype="int32"), "dtype int32: expected one of float32, bfloat16, float16, int8"),
+    (dict(dtype="uint8"), "dtype uint8"), (dict(dtype="float8_e4m3fn"), "dtype float8_e4m3fn"),
+    (dict(dtype="float64"), "dtype float64"), (dict(dtype="foo"), "dtype 'foo'"), (dict(dtype=5), "dtype 5"),
+    (dict(kv_dtype="int8"), "kv_dtype int8: expected one of float32, bfloat16, float16$"),
+    (dict(kv_dtype="foo"), "kv_dtype 'foo'"), (dict(kv_dtype="float64"), "kv_dtype float64"),
+])
+def test_unsupported_dtypes_are_refused_by_name(tiny, kwargs, match):
+    with pytest.raises(DtypeError, match=match):
+        specjax.load(tiny[1], **kwargs)
+
+
+def test_every_supported_dtype_generates(tiny):
+    """float16 compute and a float16 cache, accepted beside float32, bfloat16 and int8, run
+    (a different model: only a full run is asked of it)."""
+    model = specjax.load(tiny[1], dtype="float16", kv_dtype="float16")
+    assert model.dtype == jnp.float16 and model.cache_dtype == jnp.float16
+    assert len(specjax.generate(model, [5, 6, 7], max_new_tokens=6, stop_ids=()).tokens) == 6
 
 
 class _Oracle:

@@ -177,11 +177,19 @@ def test_target_tokens_follow_the_transformed_distribution(rng, ties):
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_k=-2),
                                     dict(top_k=1.5), dict(top_p=0.0), dict(top_p=1.2), dict(min_p=-0.1),
-                                    dict(min_p=2.0)])
+                                    dict(min_p=2.0), dict(temperature="0.5"), dict(temperature=True),
+                                    dict(top_p="0.5"), dict(min_p=None), dict(top_k="2"), dict(top_k=True),
+                                    dict(top_k=np.bool_(True))])
 def test_invalid_parameters_raise(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(SamplingError, match=name):
-        Sampling(**kwargs)
+        Sampling(**{"temperature": 1, **kwargs})
+
+
+def test_numpy_numbers_are_taken_as_python_ones():
+    s = Sampling(temperature=np.float32(0.5), top_k=np.int64(2), top_p=np.float64(0.9), min_p=np.int8(0))
+    assert s == Sampling(0.5, 2, 0.9, 0.0) and hash(s) == hash(Sampling(0.5, 2, 0.9, 0.0))
+    assert [type(v) for v in (s.temperature, s.top_k, s.top_p, s.min_p)] == [float, int, float, float]
 
 
 @pytest.mark.parametrize("s", [Sampling(temperature=0.7, top_k=6), Sampling(temperature=1.0, top_p=0.9)],
