@@ -427,12 +427,12 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 if d_nodes:
                     mine = jnp.maximum(mine, jnp.where(growable[:, None], grown_expect / costs[grow_bit, :n_w], 0.0))
                 wanted = wanted & (jnp.max(mine, axis=1) >= jnp.max(e_l / costs[0, :n_w], axis=1))
-            fed = wanted | (drafting & (lag >= SPAN))
-            widest = jnp.max(jnp.where(fed, lag, 0))
-            which = jnp.where(jnp.any(fed), 1 + jnp.sum(widest > jnp.array(FEEDS[:-1])), 0)
+            feeding = wanted | (drafting & (lag >= SPAN))
+            widest = jnp.max(jnp.where(feeding, lag, 0))
+            which = jnp.where(jnp.any(feeding), 1 + jnp.sum(widest > jnp.array(FEEDS[:-1])), 0)
             (logits, first, first_logq), dkv = steps.switch(which, [no_feed] + [feed_at(w) for w in FEEDS], dkv,
                                                             history, size)
-            caught = jnp.any(fed) & (dkv.lengths >= size)
+            caught = jnp.any(feeding) & (dkv.lengths >= size)
             fed_len = dkv.lengths
             offered["draft"] = jnp.where(caught, offered["draft"], 0)
             if d_nodes:
