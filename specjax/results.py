@@ -131,11 +131,15 @@ def is_id_list(value: Any) -> bool:
 
 def stop_set(stop_ids: Any) -> frozenset[int]:
     """A request's stop ids as the set its row stops at; anything but a collection of
-    integer ids (`is_id_list`) is a GenerationError."""
+    integer ids (`is_id_list`) in [0, 2**31) (the engine holds them as int32; an id past the
+    vocabulary is allowed and never met) is a GenerationError."""
     if not is_id_list(stop_ids):
         raise GenerationError(f"stop_ids must be a list of integer token ids (() never stops early), got "
                               f"{stop_ids!r:.80}")
-    return frozenset(int(s) for s in stop_ids)
+    stops = frozenset(int(s) for s in stop_ids)
+    if stops and not (min(stops) >= 0 and max(stops) < 2 ** 31):
+        raise GenerationError(f"stop_ids must be token ids in [0, 2**31), got {sorted(stops)!r:.80}")
+    return stops
 
 
 def validate(model: Model, ids: np.ndarray, max_new_tokens: int, capacity: int | None, seed: int) -> int:

@@ -127,7 +127,7 @@ def test_numpy_integers_are_integers(tiny):
 
 
 @pytest.mark.parametrize("stop_ids", [7, np.int64(7), "7", ["a"], [7.0], [True], [[7]], np.array([[7]]),
-                                      np.array([7.0])], ids=repr)
+                                      np.array([7.0]), [-1], [2 ** 31], np.array([2 ** 40])], ids=repr)
 def test_bad_stop_ids_one_prompt_or_many(tiny, stop_ids):
     """One check for both paths: each refuses what is not a list of integer ids."""
     with pytest.raises(GenerationError, match="stop_ids must be"):
