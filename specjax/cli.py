@@ -40,6 +40,21 @@ def _port(text: str) -> int:
     return value
 
 
+def _origins(text: str) -> tuple[str, ...]:
+    """--allowed-origins: '*', '' or origins as browsers send them (no path, no trailing /)."""
+    origins = tuple(o.strip() for o in text.split(",") if o.strip())
+    if origins == ("*",):
+        return origins
+    for o in origins:
+        scheme, sep, rest = o.partition("://")
+        if o == "*":
+            raise argparse.ArgumentTypeError("'*' allows every origin: give it alone")
+        if not (sep and scheme in ("http", "https") and rest and "/" not in rest):
+            raise argparse.ArgumentTypeError(f"{o!r} is not an origin: scheme://host[:port] (http or https), "
+                                             "no path or trailing '/', as browsers send it")
+    return origins
+
+
 def _k_or_auto(text: str) -> int | str:
     return "auto" if text == "auto" else _positive(text)
 
@@ -181,6 +196,9 @@ def _add_serve(sub) -> None:
                         "model's shipped -draft / -dflash siblings)")
     p.add_argument("--no-warmup", action="store_true",
                    help="start without compiling every step first (the first requests compile them)")
+    p.add_argument("--allowed-origins", type=_origins, default=("*",), metavar="ORIGINS",
+                   help="comma-separated web origins (scheme://host[:port]) whose pages may call the API from a "
+                        "browser (CORS), '*' any (the default, as vLLM and llama.cpp's server), '' none")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM / SIGINT, seconds running requests may take to finish before they are "
                         "cancelled")
@@ -485,7 +503,8 @@ def _serve(args) -> int:
             options["rounds"] = args.rounds
         engine = Engine(model, **options, max_batch=args.max_batch, max_len=args.max_len)
         server.serve(engine, args.served_model_name or folder.resolve().name, sock, per_request,
-                     warmup=not args.no_warmup, shutdown_timeout=args.shutdown_timeout)
+                     warmup=not args.no_warmup, shutdown_timeout=args.shutdown_timeout,
+                     allowed_origins=args.allowed_origins)
     return 0
 
 

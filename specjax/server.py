@@ -4,7 +4,8 @@
 Routes: POST /v1/completions and /v1/chat/completions (JSON, or server-sent events with
 `stream`), GET /v1/models, /v1/models/{model}, /health and /metrics (Prometheus text,
 `specjax.metrics`); every error, unknown paths and methods and the server's own failures
-included, is an OpenAI-style JSON error. A request's body is parsed and tokenized off the
+included, is an OpenAI-style JSON error; pages of the allowed web origins may call it from a
+browser (CORS, `create_app`). A request's body is parsed and tokenized off the
 event loop, so a long prompt does not hold up other clients' streams. Its choices go to
 the engine thread as one ticket; their tokens come back as events on this loop, become
 text (`specjax.textstream`) and are answered at the end or streamed as they arrive. A
@@ -29,6 +30,8 @@ import prometheus_client
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -134,10 +137,16 @@ def _error(error: RequestError, headers: dict[str, str] | None = None) -> Respon
                     media_type="application/json")
 
 
-def create_app(engine: Engine, name: str, per_request: dict | None = None) -> Starlette:
+def create_app(engine: Engine, name: str, per_request: dict | None = None,
+               allowed_origins: tuple[str, ...] = ("*",)) -> Starlette:
     """The server's ASGI app for `engine`, serving its model under `name`; per_request are
     extra `Engine.submit` keywords (from `engine_options`). The engine thread starts and
-    stops with the app's lifespan."""
+    stops with the app's lifespan.
+
+    allowed_origins: the web origins whose pages may call the API from a browser (CORS:
+    preflights answered, responses marked readable by them); "*" any, as vLLM, SGLang and
+    llama.cpp's server allow by default; () none (browsers then refuse cross-origin calls).
+    Credentials (cookies) are never allowed: the API takes none."""
     model = engine.model
     if model.tokenizer is None:
         raise CheckpointError(f"{model.path}: serving needs the model's tokenizer (tokenizer.json)")
@@ -246,7 +255,9 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None) -> St
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics_text, methods=["GET"])]
     handlers = {RequestError: request_error, HTTPException: http_error, Exception: server_error}
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    cors = [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                       allow_headers=["*"])] if allowed_origins else []
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=cors)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -265,9 +276,10 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(engine: Engine, name: str, sock: socket.socket, per_request: dict | None = None, *,
-          warmup: bool = True, shutdown_timeout: float = 30.0) -> None:
+          warmup: bool = True, shutdown_timeout: float = 30.0, allowed_origins: tuple[str, ...] = ("*",)) -> None:
     """Serve until SIGINT / SIGTERM on a socket from `bind`; with `warmup`, every step the
-    engine may run is compiled first, so no request waits on a compilation."""
+    engine may run is compiled first, so no request waits on a compilation. allowed_origins:
+    as `create_app`."""
     if warmup:
         print(f"compiling the engine's steps ({engine.max_batch} rows, max_len {engine.max_len}) ...",
               file=sys.stderr, flush=True)
@@ -275,7 +287,7 @@ def serve(engine: Engine, name: str, sock: socket.socket, per_request: dict | No
         engine.compile()
         print(f"compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     prometheus_client.disable_created_metrics()  # `_created` samples would double the exposition
-    app = create_app(engine, name, per_request)
+    app = create_app(engine, name, per_request, allowed_origins)
     host, port = sock.getsockname()[:2]
     print(f"serving {name!r} at http://{host}:{port}/v1", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout,

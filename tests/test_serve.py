@@ -437,6 +437,49 @@ def test_chat_without_a_template_names_messages(model):
     assert error["param"] == "messages" and "chat template" in error["message"]
 
 
+PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"}
+
+
+def test_browsers_may_call_from_any_origin_by_default(url, client):
+    """CORS as a browser exercises it (the Fetch standard): a preflight of a chat POST with
+    the openai client's headers is allowed for any origin, and every answer, errors too,
+    is marked readable by the page that asked."""
+    page = {"Origin": "http://localhost:5173"}
+    with httpx.Client(base_url=url, timeout=60) as http:
+        r = http.options("/v1/chat/completions", headers={**page, **PREFLIGHT})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert {"authorization", "content-type"} <= {h.strip().lower() for h in
+                                                      r.headers["access-control-allow-headers"].split(",")}
+        assert "access-control-allow-credentials" not in r.headers
+        for r in (http.get("/v1/models", headers=page), http.get("/v1/nothing", headers=page),
+                  http.post("/v1/completions", headers=page, json={"model": "gpt-4", "prompt": "x"})):
+            assert r.headers["access-control-allow-origin"] == "*", r.request
+        assert "access-control-allow-origin" not in http.get("/v1/models").headers  # no Origin: not a browser's call
+
+
+def test_allowed_origins_limit_which_pages_may_call(model):
+    engine = Engine(model, None, max_batch=1, max_len=MAX_LEN)
+    with running(create_app(engine, NAME, allowed_origins=("https://app.example",))) as base:
+        ok = httpx.options(f"{base}/v1/chat/completions", headers={"Origin": "https://app.example", **PREFLIGHT})
+        other = httpx.options(f"{base}/v1/chat/completions", headers={"Origin": "https://evil.example", **PREFLIGHT})
+        get = httpx.get(f"{base}/v1/models", headers={"Origin": "https://evil.example"})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    assert get.status_code == 200 and "access-control-allow-origin" not in get.headers
+    with running(create_app(engine, NAME, allowed_origins=())) as base:
+        r = httpx.options(f"{base}/v1/chat/completions", headers={"Origin": "https://app.example", **PREFLIGHT})
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.parametrize("bad", ["http://localhost:5173/", "localhost:5173", "ftp://host", "*,http://a.example",
+                                 "http://a.example/app"])
+def test_serve_refuses_what_is_not_an_origin(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--allowed-origins", bad])
+    assert e.value.code == 2 and "--allowed-origins" in capsys.readouterr().err
+
+
 def test_speculation_metrics_add_up(url):
     """vLLM's counters over what the tests ran: drafts were made and some accepted, and
     the per-position counts add up to the accepted total."""
