@@ -83,8 +83,8 @@ def _add_speculation(p) -> None:
     spec.add_argument("--speculate", type=_k_or_auto, metavar="K|auto",
                       help="n-gram (prompt lookup) drafts of up to K tokens (auto: 15), k chosen per step")
     spec.add_argument("--draft", type=Path, metavar="DIR", help="draft model folder (same vocabulary)")
-    spec.add_argument("--draft-k", type=_k_or_auto, default=4, metavar="K|auto",
-                      help="draft model tokens per step; auto: adaptive k")
+    spec.add_argument("--draft-k", type=_k_or_auto, default=None, metavar="K|auto",
+                      help="draft model tokens per step (default 4); auto: adaptive k")
     spec.add_argument("--dflash", type=Path, metavar="DIR", help="DFlash drafter folder for this target")
     spec.add_argument("--dflash-k", type=_k_or_auto, default=None, metavar="K|auto",
                       help="DFlash drafts per step (default: block_size - 1, at most 15); auto: adaptive k")
@@ -274,16 +274,24 @@ def _bench(args) -> int:
 
 
 def _ids_arg(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    """--prompt-ids: ASCII decimal integers, spaces around them allowed; what int() would also
+    take (1_000, other scripts' digits) is refused rather than read as some id."""
+    parts = [t.strip() for t in text.split(",")]
+    if not all(t.removeprefix("-").isascii() and t.removeprefix("-").isdigit() for t in parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return [int(t) for t in parts]
 
 
-def _prompt_ids(args, tokenizer, folder: Path) -> list[int]:
+def _prompt_ids(args, tokenizer, folder: Path, vocab_size: int) -> list[int]:
+    """The prompt the flags give, as token ids; --prompt-ids outside the vocabulary are named."""
+    from .prompt_files import read_text
+
     if args.prompt_ids is not None:
         if args.chat:
             raise UsageError("--chat needs a text prompt (--prompt or --prompt-file), not --prompt-ids")
+        bad = [i for i in args.prompt_ids if not 0 <= i < vocab_size]
+        if bad:
+            raise UsageError(f"--prompt-ids: prompt token ids must be in [0, {vocab_size}) ({folder}), got {bad[0]}")
         return args.prompt_ids
     if tokenizer is None:
         raise UsageError(f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json); "
@@ -291,21 +299,46 @@ def _prompt_ids(args, tokenizer, folder: Path) -> list[int]:
     if args.prompt_file is not None:
         if not args.prompt_file.is_file():
             raise UsageError(f"--prompt-file {args.prompt_file}: no such file")
-        text = args.prompt_file.read_text()
+        text = read_text(args.prompt_file)
     elif args.prompt is not None:
         text = args.prompt
     else:
         raise UsageError("give --prompt TEXT, --prompt-file F or --prompt-ids I,J,...")
+    source = f"--prompt-file {args.prompt_file}" if args.prompt_file else "--prompt"
     if args.chat:
         if not getattr(tokenizer, "chat_template", None):
             raise UsageError("--chat: this model's tokenizer has no chat template")
+        if not text.strip():  # the template's tokens alone are no prompt (as --batch refuses blank messages)
+            raise UsageError(f"{source}: the prompt is empty (--chat needs a message)")
         return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False))
     ids = tokenizer(text)["input_ids"]
     if not ids:
-        raise UsageError(f"{'--prompt-file ' + str(args.prompt_file) if args.prompt_file else '--prompt'}: "
-                         "the prompt is empty (it tokenizes to no tokens)")
+        raise UsageError(f"{source}: the prompt is empty (it tokenizes to no tokens)")
     return ids
+
+
+def _check_no_speculate(args) -> None:
+    """--no-speculate with a flag that asks for speculation is a contradiction, not a choice to
+    make silently for the user."""
+    if not args.no_speculate:
+        return
+    given = [flag for flag, on in (("--speculate", args.speculate is not None), ("--draft", args.draft is not None),
+                                   ("--dflash", args.dflash is not None), ("--tree", args.tree != 0),
+                                   ("--sample-drafts", args.sample_drafts)) if on]
+    if given:
+        raise UsageError(f"--no-speculate turns speculation off; it does not go with {', '.join(given)}")
+
+
+def _check_drafter_flags(args) -> None:
+    """--draft-k, --dflash-k and --sample-drafts tune the drafter --draft / --dflash names (not
+    the default's siblings); without it they would change nothing, so they are refused."""
+    drafter = args.draft is not None or args.dflash is not None
+    for flag, given, ok, needs in (("--draft-k", args.draft_k is not None, args.draft is not None, "--draft DIR"),
+                                   ("--dflash-k", args.dflash_k is not None, args.dflash is not None, "--dflash DIR"),
+                                   ("--sample-drafts", args.sample_drafts, drafter, "--draft DIR or --dflash DIR")):
+        if given and not ok:
+            raise UsageError(f"{flag} tunes the drafter of {needs}; without one it would change nothing")
 
 
 def _proposer(args, target):
@@ -320,13 +353,15 @@ def _proposer(args, target):
     from .model import load
     from .proposers import DFlashProposer, DraftProposer, NgramProposer
 
+    _check_no_speculate(args)
+    _check_drafter_flags(args)
     if args.no_speculate:
         return None
     chosen = []
     if args.speculate is not None:
         chosen.append((NgramProposer(k=15 if args.speculate == "auto" else args.speculate, tree=args.tree), "auto"))
     if args.draft is not None:
-        k = 7 if args.draft_k == "auto" else args.draft_k
+        k = {"auto": 7, None: 4}.get(args.draft_k, args.draft_k)
         chosen.append((DraftProposer(load(args.draft, target.dtype), k=k, sample=args.sample_drafts, tree=args.tree),
                        args.draft_k))
     if args.dflash is not None:
@@ -369,16 +404,30 @@ class _Streamer:
         self.out.flush()
         self.shown = len(text)
 
+    def close(self) -> None:
+        """Print what is still held back: the text of a last chunk that ends inside a UTF-8
+        sequence (cut there by --max-new-tokens), as the tokenizer decodes it (U+FFFD)."""
+        if self.tok is not None and self.ids:
+            self.out.write(self.tok.decode(self.ids)[self.shown:])
+            self.out.flush()
 
-def _batch_prompts(args, tokenizer, folder: Path) -> list[list[int]]:
-    """The prompts of a --batch file (`specjax.prompt_files`: JSONL records or one per line)."""
+
+def _batch_prompts(args, tokenizer, folder: Path, context: int) -> list[list[int]]:
+    """The prompts of a --batch file (`specjax.prompt_files`: JSONL records or one per line);
+    one too long for the model's `context` with --max-new-tokens is named by its line (the
+    engine's own check gives only its length)."""
     from .prompt_files import read_prompt_file
 
     if args.prompt_file is None:
         raise UsageError("--batch reads its prompts from --prompt-file")
     if tokenizer is None:
         raise UsageError(f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json) for --batch")
-    return [list(p.ids) for p in read_prompt_file(args.prompt_file, tokenizer, chat=args.chat)]
+    prompts = read_prompt_file(args.prompt_file, tokenizer, chat=args.chat)
+    for p in prompts:
+        if len(p.ids) + args.max_new_tokens > context:
+            raise UsageError(f"{p.where}: the prompt ({len(p.ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) "
+                             f"exceeds the model's max_position_embeddings ({context})")
+    return [list(p.ids) for p in prompts]
 
 
 def _generate_batch(args, model, sampling) -> int:
@@ -387,9 +436,11 @@ def _generate_batch(args, model, sampling) -> int:
     from .engine import Speculation, generate_batch
 
     folder = args.model or default_model()
+    _check_no_speculate(args)
+    _check_drafter_flags(args)
     if args.draft is not None or args.dflash is not None:
         raise UsageError("--batch drafts by prompt lookup (--speculate K) or not at all (--no-speculate)")
-    prompts = _batch_prompts(args, model.tokenizer, folder)
+    prompts = _batch_prompts(args, model.tokenizer, folder, model.config.max_position_embeddings)
     spec = None if args.no_speculate else Speculation(k=15 if args.speculate in (None, "auto") else args.speculate,
                                                       tree=args.tree)
     kw = dict(sampling=sampling, seed=args.seed, stop_ids=model.eos_ids, speculative=spec)
@@ -459,7 +510,7 @@ def _generate(args) -> int:
     sampling = _sampling(args, model)
     if args.batch:
         return _generate_batch(args, model, sampling)
-    ids = _prompt_ids(args, model.tokenizer, folder)
+    ids = _prompt_ids(args, model.tokenizer, folder, model.config.vocab_size)
     proposer = _proposer(args, model)
     stream = _Streamer(model.tokenizer)
     kw = dict(sampling=sampling, seed=args.seed, stop_ids=model.eos_ids, speculative=proposer,
@@ -469,6 +520,7 @@ def _generate(args) -> int:
         generate(model, ids, max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens), **kw)
     warm_s = time.perf_counter() - t0
     res = generate(model, ids, max_new_tokens=args.max_new_tokens, on_tokens=stream, **kw)
+    stream.close()
     s = res.stats
     line = (f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s, prefill {s.prefill_s * 1e3:.0f} ms "
             f"({s.prompt_tokens} prompt tokens), warm-up {warm_s:.1f} s")

@@ -9,7 +9,10 @@ drafter training (`python -m train.dflash --prompt-file FILE` or `--prompt-dir D
 - Plain text: one prompt per line; blank lines separate nothing and are skipped.
 - A folder: every regular, non-hidden file is one prompt (its whole text), by sorted name.
 
-A line that is not a JSON object, a key other than those two, an empty prompt and a file
+Files are UTF-8 (a leading byte-order mark is dropped; CRLF and CR end lines as LF does);
+lines end only at those, not at the other characters `str.splitlines` breaks at (form
+feed, U+2028, ..), which JSON strings and source text may hold. A byte that is not UTF-8,
+a line that is not a JSON object, a key other than those two, an empty prompt and a file
 without prompts are each a :class:`PromptError` naming the file and line. Prompts are
 kept as token ids with where they came from, so later checks (a prompt too long for the
 data plan) can name it too.
@@ -17,6 +20,7 @@ data plan) can name it too.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 from pathlib import Path
@@ -71,11 +75,23 @@ def tokenize(text_or_messages: str | list[dict], tokenizer: Any, chat: bool, whe
     return Prompt(where, tuple(int(i) for i in _template(tokenizer, text_or_messages, where)))
 
 
+def _object(pairs: list[tuple[str, Any]]) -> dict:
+    """A JSON object whose keys are distinct: json.loads would keep the last of a repeated
+    key and drop the others unseen."""
+    keys = [k for k, _ in pairs]
+    repeated = next((k for k in keys if keys.count(k) > 1), None)
+    if repeated is not None:
+        raise ValueError(f"key {repeated!r} repeated")
+    return dict(pairs)
+
+
 def _record(line: str, where: str) -> str | list[dict]:
     try:
-        record = json.loads(line)
+        record = json.loads(line, object_pairs_hook=_object)
     except json.JSONDecodeError as e:
         raise PromptError(f"{where}: not a JSON object ({e.msg})") from None
+    except ValueError as e:  # _object's
+        raise PromptError(f"{where}: not a JSON object ({e})") from None
     if not isinstance(record, dict):
         raise PromptError(f"{where}: not a JSON object")
     unknown = sorted(set(record) - set(KEYS))
@@ -90,12 +106,25 @@ def _record(line: str, where: str) -> str | list[dict]:
     return _messages(record["messages"], where)
 
 
+def read_text(path: Path) -> str:
+    """The file's text (module docstring: UTF-8, a BOM dropped, newlines as LF). Bytes that are
+    not UTF-8 are refused, naming the line, rather than replaced, so no prompt changes unseen."""
+    data = path.read_bytes()
+    data = data[len(codecs.BOM_UTF8):] if data.startswith(codecs.BOM_UTF8) else data
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise PromptError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x})") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def read_prompt_file(path: str | Path, tokenizer: Any, chat: bool = False) -> list[Prompt]:
     """Every prompt of a JSONL or plain-text file (module docstring), in file order."""
     path = Path(path)
     if not path.is_file():
         raise PromptError(f"--prompt-file {path}: no such file")
-    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    lines = [(n, line) for n, line in enumerate(read_text(path).split("\n"), 1) if line.strip()]
     if not lines:
         raise PromptError(f"{path}: no prompts (the file is empty)")
     jsonl = path.suffix == ".jsonl" or lines[0][1].lstrip().startswith("{")
@@ -111,4 +140,4 @@ def read_prompt_dir(path: str | Path, tokenizer: Any, chat: bool = False) -> lis
     files = sorted(f for f in path.iterdir() if f.is_file() and not f.name.startswith("."))
     if not files:
         raise PromptError(f"{path}: no prompt files")
-    return [tokenize(f.read_text(), tokenizer, chat, str(f)) for f in files]
+    return [tokenize(read_text(f), tokenizer, chat, str(f)) for f in files]

@@ -81,6 +81,10 @@ def test_broken_tokenizer_exits_2_naming_it(tmp_path, capsys):
     (["generate", "--prompt", "x", "--seed", "-1"], "seed must be"),
     (["generate", "--prompt", ""], "--prompt: the prompt is empty"),
     (["generate", "--prompt", "x", "--kv-dtype", "int8"], "--kv-dtype: invalid choice"),
+    # an id too large for int64 is still named as an id outside the vocabulary
+    (["generate", "--prompt-ids", "1,99999999999999999999"], "--prompt-ids: prompt token ids must be in"),
+    (["generate", "--prompt-ids", "1_000"], "comma-separated integers"),  # int() would read it as 1000
+    (["generate", "--prompt-ids", "\u0661,\u0662"], "comma-separated integers"),  # Arabic-Indic digits 1, 2
 ])
 def test_bad_input_exits_2(argv, match, capsys, folder):
     if "--model" not in argv:
@@ -89,6 +93,37 @@ def test_bad_input_exits_2(argv, match, capsys, folder):
         main(argv)
     assert e.value.code == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--speculate", "3"], ["--tree", "4"], ["--draft", "DRAFT", "--sample-drafts"]])
+@pytest.mark.parametrize("batch", [False, True])
+def test_no_speculate_with_a_proposer_flag_exits_2(flags, batch, folder, tmp_path, capsys):
+    """--no-speculate and a flag asking for speculation contradict each other: exit 2 naming
+    both, rather than one of them silently ignored."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("import os\n")
+    flags = [str(folder.parent / "m-draft") if f == "DRAFT" else f for f in flags]
+    argv = ["generate", "--model", str(folder), "--prompt-file", str(prompts), "--max-new-tokens", "2",
+            "--no-speculate", *flags] + (["--batch"] if batch else [])
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--no-speculate" in err and flags[0] in err
+
+
+@pytest.mark.parametrize("flags,needs", [(["--draft-k", "3"], "--draft DIR"), (["--dflash-k", "3"], "--dflash DIR"),
+                                         (["--sample-drafts"], "--draft DIR or --dflash DIR")])
+@pytest.mark.parametrize("batch", [False, True])
+def test_drafter_flags_without_their_drafter_exit_2(flags, needs, batch, folder, tmp_path, capsys):
+    """--draft-k, --dflash-k and --sample-drafts tune a drafter the flags name; alone they
+    would be dropped unseen (the default's siblings are not built from them), so exit 2."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("import os\n")
+    argv = ["generate", "--model", str(folder), "--prompt-file", str(prompts), "--max-new-tokens", "2", *flags]
+    with pytest.raises(SystemExit) as e:
+        main(argv + (["--batch"] if batch else []))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{flags[0]} tunes the drafter of {needs}" in err
 
 
 def test_default_and_flag_proposers(folder):
@@ -144,3 +179,107 @@ def test_batch_prints_every_result_as_generated_alone(folder, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--model", str(folder), "--batch", "--prompt-file", str(bad)])
     assert e.value.code == 2 and f"{bad}:2" in capsys.readouterr().err
+
+
+def test_prompt_files_are_utf8_with_bom_crlf_and_only_newlines_ending_lines(folder, tmp_path, capsys):
+    """A BOM is dropped and CRLF read as LF (as a file saved on Windows), U+2028 and form feed
+    inside a line keep it one prompt, and bytes that are not UTF-8 exit 2 naming file and line."""
+    import json
+
+    import specjax
+
+    model = specjax.load(folder)
+    tok = model.tokenizer
+    gen = lambda text: tok.decode(specjax.generate(model, tok(text)["input_ids"], max_new_tokens=6).tokens)
+    single = tmp_path / "one.txt"
+    single.write_bytes(b"\xef\xbb\xbfdef f(x):\r\n    return x\r\n")
+    code, out, err = _run(capsys, "generate", "--model", str(folder), "--prompt-file", str(single),
+                          "--max-new-tokens", "6", "--no-speculate")
+    assert code == 0 and out == gen("def f(x):\n    return x\n")
+    lines = ["a = 1\u2028b = 2", "c\x0cd"]
+    many = tmp_path / "many.txt"
+    many.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n")
+    records = tmp_path / "many.jsonl"
+    records.write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps({"prompt": t}, ensure_ascii=False)
+                                                     for t in lines).encode())
+    for path in (many, records):
+        code, out, err = _run(capsys, "generate", "--model", str(folder), "--batch", "--prompt-file", str(path),
+                              "--max-new-tokens", "6", "--no-speculate")
+        assert code == 0, err
+        assert out == "".join(f"=== {i} ===\n{gen(t)}\n" for i, t in enumerate(lines)), path
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("x = 1\ny = 'caf\u00e9'\n".encode("latin-1"))
+    for batch in ([], ["--batch"]):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "--model", str(folder), "--prompt-file", str(bad), "--max-new-tokens", "2", *batch])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"{bad}:2: not UTF-8 text (byte 0xe9)" in err and "Traceback" not in err
+
+
+def test_chat_wraps_the_prompt_and_refuses_a_blank_one(folder, tmp_path, capsys):
+    """--chat generates what the chat-templated ids generate; a blank prompt under --chat
+    (the template's tokens alone) exits 2 as an empty prompt, as --batch refuses blank messages."""
+    import json
+    import shutil
+
+    import specjax
+
+    chat = tmp_path / "chat"
+    shutil.copytree(folder, chat)
+    config = json.loads((chat / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (chat / "tokenizer_config.json").write_text(json.dumps(config))
+    model = specjax.load(chat)
+    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False)
+    want = model.tokenizer.decode(specjax.generate(model, list(ids), max_new_tokens=6).tokens)
+    code, out, err = _run(capsys, "generate", "--model", str(chat), "--chat", "--prompt", "hi", "--max-new-tokens", "6")
+    assert code == 0 and out == want, err
+    for prompt in ("", "  \n"):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "--model", str(chat), "--chat", "--prompt", prompt, "--max-new-tokens", "2"])
+        assert e.value.code == 2 and "--prompt: the prompt is empty" in capsys.readouterr().err
+
+
+def test_stream_ends_with_all_the_text_decode_gives(capsys):
+    """The streamer holds back text ending inside a UTF-8 sequence until more tokens come; at
+    the end of the run what it held (the whole last chunk) is printed, as decode shows it.
+    Then on the shipped model, a sampled run cut mid-character prints what the API's tokens decode to."""
+    import io
+
+    import specjax
+    from specjax.cli import DEFAULT_MODEL, _Streamer
+    from specjax.sampling import Sampling
+
+    tok = specjax.load(DEFAULT_MODEL).tokenizer
+    ids = tok("abc")["input_ids"] + tok("\u00e9")["input_ids"][:1]  # the first byte of a 2-byte character
+    out = io.StringIO()
+    stream = _Streamer(tok, out)
+    stream(ids)
+    stream.close()
+    assert out.getvalue() == tok.decode(ids) and out.getvalue().endswith("\ufffd")
+
+    model = specjax.load(DEFAULT_MODEL)
+    prompt = "s = '" + "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 " * 3 + "\u65e5\u672c\u8a9e\u306e"
+    ids = model.tokenizer(prompt)["input_ids"]
+    want = model.tokenizer.decode(specjax.generate(model, ids, max_new_tokens=14, seed=4,
+                                                   sampling=Sampling(temperature=1.0)).tokens)
+    code, text, err = _run(capsys, "generate", "--prompt", prompt, "--max-new-tokens", "14", "--temperature", "1",
+                           "--seed", "4", "--no-warmup")
+    assert code == 0 and text == want, err
+
+
+@pytest.mark.parametrize("content,line,message", [
+    # the engine alone would say "prompt (N) + max_new_tokens ... exceeds", not which of the lines
+    ("import os\n" + "x = 1; " * 900 + "\n", 2, "+ --max-new-tokens (4) exceeds the model's max_position_embeddings"),
+    ('{"prompt": "import os"}\n{"prompt": "a", "prompt": "b"}\n', 2, "key 'prompt' repeated"),  # not "b" alone
+    ('{"messages": [{"role": "user", "content": "a", "content": "b"}]}\n', 1, "key 'content' repeated"),
+])
+def test_batch_errors_name_the_line(content, line, message, folder, tmp_path, capsys):
+    path = tmp_path / ("p.jsonl" if content.startswith("{") else "p.txt")
+    path.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", str(folder), "--batch", "--prompt-file", str(path), "--max-new-tokens", "4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{path}:{line}: " in err and message in err and "Traceback" not in err
