@@ -194,7 +194,7 @@ def test_data_are_the_targets_replies_and_resume(cyclic, data, tmp_path, monkeyp
     again = generate_data(target, DC, tmp_path)  # prompts.npy is there: no shard needed
     assert len(calls) == 2 + 2  # the killed call, then one call per remaining shard
     np.testing.assert_array_equal(again.tokens, data.tokens)
-    with pytest.raises(ValueError, match="another plan, prompts or target"):
+    with pytest.raises(specjax.SpecjaxError, match="another plan, prompts or target"):  # a one-line CLI error
         generate_data(target, dataclasses.replace(DC, response_len=40), tmp_path)
     retrained = dataclasses.replace(target, params={**target.params, "model.embed_tokens.weight":
                                                     1.5 * unpack_tree(target.params["model.embed_tokens.weight"])})
@@ -260,6 +260,32 @@ def test_kill_and_resume_continues_identically(cyclic, data, tmp_path, monkeypat
     for run in ("full", "resumed"):
         rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [2, 4, 6] and all("train_loss" in r for r in rows)
+
+
+def test_warmup_leaves_a_step_to_decay_and_a_one_step_run_trains(cyclic, data, tmp_path):
+    """The warmup is round(warmup_ratio * steps), at least 1 but at most steps - 1, so that
+    optax's cosine decay has a step: --steps 1 (and --warmup-ratio 1) train instead of failing
+    in the schedule."""
+    for steps, ratio, warmup in ((1, 0.04, 0), (2, 0.04, 1), (100, 0.04, 4), (10, 1.0, 9), (10, 0.0, 1)):
+        assert trainer.DFlashTrainConfig(steps=steps, warmup_ratio=ratio).warmup == warmup
+    target, _ = cyclic
+    tc = trainer.DFlashTrainConfig(steps=1, batch=2, anchors=4, save_every_minutes=100)
+    assert trainer.train(target, _cfg(target), tc, data, tmp_path / "run")["step"] == 1
+
+
+def test_resuming_with_other_settings_is_refused_naming_the_flags(cyclic, data, tmp_path):
+    """A checkpoint records its training settings; resuming it under others (a learning rate,
+    batch or Markov head of another run) is refused, naming each flag, rather than mixed."""
+    target, _ = cyclic
+    tc = trainer.DFlashTrainConfig(steps=2, batch=2, anchors=4, lr=1e-2, save_every_minutes=100)
+    trainer.train(target, _cfg(target), tc, data, tmp_path / "run")
+    for changed, named in ((dict(lr=2e-2, batch=4), "--batch 2 -> 4, --lr 0.01 -> 0.02"),
+                           (dict(markov_rank=2), "--markov-rank 0 -> 2"),
+                           (dict(steps=3), "--steps 2 -> 3")):
+        with pytest.raises(specjax.SpecjaxError, match=f"other settings \\({named}\\)"):
+            trainer.train(target, _cfg(target), dataclasses.replace(tc, **changed), data, tmp_path / "run")
+    again = dataclasses.replace(tc, eval_every=7, log_every=3)  # bookkeeping may differ
+    assert trainer.train(target, _cfg(target), again, data, tmp_path / "run")["step"] == 2
 
 
 def test_bfloat16_compute_keeps_float32_master_state(cyclic, data, tmp_path):

@@ -170,6 +170,29 @@ def test_cli_reports_a_bad_line_and_exits_2(folder, tmp_path, capsys, monkeypatc
     assert f"{path}:2: unknown key 'text'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad, message", [
+    ("out-is-a-file", "--out {out}: exists and is not a folder"),
+    ("data-is-a-file", "--data {out}: exists and is not a folder"),
+    ("negative-lr", "--lr must be > 0, got -0.001"),
+])
+def test_cli_refuses_bad_paths_and_settings_before_generating(folder, tmp_path, capsys, bad, message):
+    from train import run
+
+    path = tmp_path / "p.txt"
+    path.write_text("w1 w2\nw3\n")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder\n")
+    argv = ["--target", str(folder), "--prompt-file", str(path), "--out", str(tmp_path / "out"),
+            "--data", str(tmp_path / "data")]
+    argv += {"out-is-a-file": ["--out", str(a_file)], "data-is-a-file": ["--data", str(a_file)],
+             "negative-lr": ["--lr", "-0.001"]}[bad]
+    with pytest.raises(SystemExit) as exit_:
+        run(lambda: trainer.main(argv), "python -m train.dflash")
+    assert exit_.value.code == 2
+    assert message.format(out=a_file) in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()  # refused before any data is made
+
+
 # ------------------------------------------------------------------- mask token
 
 def test_mask_token_id(target):

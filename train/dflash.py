@@ -47,6 +47,8 @@ generation is best done so beforehand: the other processes would wait for it in 
 Resume: orbax checkpoints in ``<run>/orbax`` (``train.lm.Checkpoints``), saved every
 ``save_every_minutes``, on Ctrl-C / ``kill`` and at the end; the batch of step s is a
 pure function of (seed, s), so a resumed run continues exactly as an uninterrupted one.
+A checkpoint records its drafter config and training settings (:func:`check_resume`):
+resuming it with other flags (bookkeeping ones aside) is refused, naming them.
 """
 
 from __future__ import annotations
@@ -109,9 +111,20 @@ class DFlashTrainConfig:
     save_every_minutes: float = 5.0
     seed: int = 0
 
+    def resume_key(self) -> dict[str, Any]:
+        """The settings a resumed run must share with the checkpoint's (recorded with it): all
+        but the bookkeeping ones, so that it continues exactly as an uninterrupted run would
+        (steps too: the learning-rate schedule spans them)."""
+        d = dataclasses.asdict(self)
+        for name in ("log_every", "eval_every", "eval_tokens", "save_every_minutes"):
+            d.pop(name)
+        return d
+
     @property
     def warmup(self) -> int:
-        return max(1, round(self.warmup_ratio * self.steps))
+        """Warmup steps: at least one, but fewer than `steps` (the cosine decay needs a step
+        after the warmup; a one-step run has no warmup)."""
+        return min(max(1, round(self.warmup_ratio * self.steps)), self.steps - 1)
 
 
 # ------------------------------------------------------------------------------ loss
@@ -393,7 +406,7 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     lead = jax.process_index() == 0  # the one process that prints, evaluates and writes files
     ckpts = lm.Checkpoints(run_dir)
     step = ckpts.latest_step() or 0
-    record = {"best_tau": None, "drafter": cfg.to_hf()}
+    record = {"best_tau": None, "drafter": cfg.to_hf(), "train": tc.resume_key()}
     mesh = mesh or data_mesh(1)
     groups, tp = mesh.shape["data"], mesh.shape.get(sharding.AXIS, 1)
     if tc.batch % groups:
@@ -406,10 +419,9 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     if step == 0:
         state = state_from_drafter(init, cfg, tc, target) if init else jax.jit(fresh, out_shardings=replicated)()
     else:  # restored straight onto the mesh, replicated like a fresh state
+        check_resume(run_dir, ckpts.record(), record)
         state, record = ckpts.restore(jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), jax.eval_shape(fresh)))
-        if record["drafter"] != cfg.to_hf():
-            raise ValueError(f"{run_dir}: checkpoint is of another drafter config; use a fresh --run folder")
         if lead:
             print(f"resumed from {run_dir} at step {step}")
     params, opt_state = global_put((state["params"], state["opt_state"]), replicated)
@@ -473,6 +485,20 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     finally:
         ckpts.close()
     return {"params": params, "opt_state": opt_state, "step": step}
+
+
+def check_resume(run_dir: Path, saved: dict, asked: dict) -> None:
+    """Refuse to resume the checkpoint record `saved` with the drafter config or training
+    settings of `asked` (train()'s record) where they differ, naming the flags: a mix would
+    train on silently. Records of runs from before the settings were kept lack "train"."""
+    if saved["drafter"] != asked["drafter"]:
+        raise dflash.DFlashError(f"{run_dir}: checkpoint is of another drafter config; use a fresh --run folder")
+    before = saved.get("train", asked["train"])
+    changed = [k for k in asked["train"] if before.get(k) != asked["train"][k]]
+    if changed:
+        flags = ", ".join(f"--{k.replace('_', '-')} {before.get(k)} -> {asked['train'][k]}" for k in changed)
+        raise dflash.DFlashError(f"{run_dir}: checkpoint was trained with other settings ({flags}); "
+                                 "resume with the same flags or use a fresh --run folder")
 
 
 def data_mesh(devices: int | None = None, tp: int = 1) -> Mesh:
@@ -640,6 +666,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error(f"{args.target}: no tokenizer files (needed for prompts)")
     _sampling_flags(args, target)
     dc, tc = lm.config_from_args(args, DataConfig), lm.config_from_args(args, DFlashTrainConfig)
+    if tc.lr <= 0:
+        p.error(f"--lr must be > 0, got {tc.lr}")
     mask = mask_token_id(tok, target.config.vocab_size, args.mask_token_id)
     if tc.batch % mesh.shape["data"]:
         p.error(f"--batch {tc.batch} is not a multiple of the {mesh.shape['data']} data-parallel groups "
@@ -648,6 +676,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = dflash.config_for(target.config, args.layers, args.block_size, args.target_layer_ids, mask)
     run = args.run or Path("runs") / args.out.name
     data_dir = args.data or run / "data"
+    for flag, folder in (("--out", args.out), ("--run", run), ("--data", data_dir)):
+        if folder.exists() and not folder.is_dir():
+            p.error(f"{flag} {folder}: exists and is not a folder")
     try:
         if jax.process_index() > 0:  # process 0 generates the data and evaluates
             data, eval_prompts = share_data(None), []

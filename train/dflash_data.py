@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 import specjax
 from specjax import cpu_kernels, edits
+from specjax.errors import SpecjaxError
 from specjax.sampling import Sampling
 from train import corpus
 from train import prompts as user_prompts
@@ -173,8 +174,8 @@ def generate_data(target: specjax.Model, dc: DataConfig, folder: str | Path,
     meta = folder / "meta.json"
     if meta.is_file():
         if json.loads(meta.read_text()) != plan:
-            raise ValueError(f"{folder}: holds data of another plan, prompts or target ({meta}); "
-                             "use a fresh --data folder")
+            raise SpecjaxError(f"{folder}: holds data of another plan, prompts or target ({meta}); "
+                               "use a fresh --data folder")
     else:
         meta.write_text(json.dumps(plan, indent=2) + "\n")
     prompts = _prompts(folder, dc, target, train_tokens, prompts)

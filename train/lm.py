@@ -173,6 +173,11 @@ class Checkpoints:
             self.manager.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), record=ocp.args.JsonSave(record)))
 
+    def record(self) -> dict:
+        """The latest checkpoint's JSON record alone (read before the state, whose shape it may decide)."""
+        step = self.manager.latest_step()
+        return self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore())).record
+
     def restore(self, abstract_state: dict) -> tuple[dict, dict]:
         step = self.manager.latest_step()
         out = self.manager.restore(step, args=ocp.args.Composite(
@@ -306,9 +311,9 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 # config fields that count something and must be at least 1 (0 steps would fail deep in
-# optax's schedule; 0 in the others divides by zero or never evaluates)
+# optax's schedule; 0 in the others divides by zero, never evaluates or generates nothing)
 COUNT_FIELDS = frozenset({"steps", "batch", "seq", "accum", "anchors", "log_every", "eval_every", "eval_batches",
-                          "eval_tokens"})
+                          "eval_tokens", "prompts", "prompt_len", "response_len", "gen_batch", "shard_size"})
 
 
 def positive_int(text: str) -> int:
