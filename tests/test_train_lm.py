@@ -145,31 +145,19 @@ def test_stage_commands_name_a_missing_input_and_exit_2(tmp_path):
         assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("flag", ["--prompts", "--prompt-len", "--response-len", "--gen-batch", "--shard-size"])
-def test_data_count_flags_refuse_zero_naming_the_flag(flag, capsys):
-    """train.dflash's data counts: 0 is an argparse error naming the flag, not a division by
-    zero (--shard-size) or an engine error naming an internal argument (--gen-batch)."""
-    import argparse
-
-    from train.dflash_data import DataConfig
-
-    parser = argparse.ArgumentParser(prog="stage")
-    lm.add_config_flags(parser, DataConfig)
-    with pytest.raises(SystemExit) as exit_:
-        parser.parse_args([flag, "0"])
-    assert exit_.value.code == 2
-    assert f"argument {flag}: must be an integer of at least 1, got 0" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("flag", ["--steps", "--batch", "--eval-every"])
-def test_count_flags_refuse_zero_naming_the_flag(flag, capsys):
-    """A count of 0 (train.target / train.draft's TrainConfig, train.dflash's config) is
-    an argparse error naming the flag, not a crash inside the optimizer's schedule."""
+@pytest.mark.parametrize("flag,configs", [(f, "train") for f in ("--steps", "--batch", "--eval-every")]
+                         + [(f, "data") for f in ("--prompts", "--prompt-len", "--response-len", "--gen-batch",
+                                                  "--shard-size")])
+def test_count_flags_refuse_zero_naming_the_flag(flag, configs, capsys):
+    """A count of 0 is an argparse error naming the flag: not a crash inside the optimizer's
+    schedule (train.target / train.draft's TrainConfig, train.dflash's), a division by zero
+    (--shard-size) or an engine error naming an internal argument (--gen-batch)."""
     import argparse
 
     from train.dflash import DFlashTrainConfig
+    from train.dflash_data import DataConfig
 
-    for cls in (lm.TrainConfig, DFlashTrainConfig):
+    for cls in {"train": (lm.TrainConfig, DFlashTrainConfig), "data": (DataConfig,)}[configs]:
         parser = argparse.ArgumentParser(prog="stage")
         lm.add_config_flags(parser, cls)
         with pytest.raises(SystemExit) as exit_:
