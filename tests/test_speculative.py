@@ -6,14 +6,13 @@ import itertools
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 import specjax
 from specjax import qwen3
 from specjax import sampling as smp
 from specjax.proposers import DraftProposer, NgramProposer, ProposerError
 from specjax.sampling import Sampling
-from conftest import hf_tiny, repeating_prompt
+from conftest import assert_follows, hf_tiny, repeating_prompt
 
 SAMPLED = Sampling(temperature=0.8, top_k=40, top_p=0.9)
 
@@ -174,18 +173,6 @@ def engine_follows(engine, ids, s: Sampling, exact: np.ndarray, calls: int = 200
             accepted += r.stats.accepted
     assert 0 < accepted < 2 * calls * rows  # both the accept and the residual paths ran
     assert_follows(counts, exact)
-
-
-def assert_follows(counts: np.ndarray, exact: np.ndarray) -> None:
-    """Counts of token pairs drawn from `exact`: nothing where it is 0, and chi-square
-    (cells expecting under 5 pooled) p > 1e-3."""
-    n = counts.sum()
-    expected = exact.ravel() * n
-    big = expected >= 5
-    obs = np.append(counts.ravel()[big], counts.ravel()[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    assert counts.ravel()[exact.ravel() == 0].sum() == 0
-    assert stats.chisquare(obs, exp * (obs.sum() / exp.sum())).pvalue > 1e-3
 
 
 def test_sampled_drafts_follow_target_distribution(tmp_path_factory):
