@@ -7,9 +7,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from .errors import SpecjaxError
+
+if TYPE_CHECKING:  # the command line imports the library's modules only as a command needs them
+    from .config import Qwen3Config
 
 WARMUP_TOKENS = 256  # a warm-up as long as the run (up to this) touches every shape the run will
 
@@ -282,17 +285,29 @@ def _ids_arg(text: str) -> list[int]:
     return [int(t) for t in parts]
 
 
-def _prompt_ids(args, tokenizer, folder: Path, vocab_size: int) -> list[int]:
-    """The prompt the flags give, as token ids; --prompt-ids outside the vocabulary are named."""
+def _checked(ids: list[int], config: Qwen3Config, max_new_tokens: int, where: str) -> list[int]:
+    """`ids` if the model takes them as a prompt with --max-new-tokens after it
+    (`results.check_prompt`), else a UsageError naming `where` (the flag or file line that
+    gave them): the engine's own error could not say which."""
+    import numpy as np
+
+    from .results import GenerationError, check_prompt
+
+    try:  # Python ints as they are: an id past int64 is one outside the vocabulary, not an overflow
+        check_prompt(config, np.asarray(ids, object), max_new_tokens)
+    except GenerationError as e:
+        raise UsageError(f"{where}: {e}") from None
+    return ids
+
+
+def _prompt_ids(args, tokenizer, folder: Path, config: Qwen3Config) -> list[int]:
+    """The prompt the flags give, as token ids the model takes (`_checked`)."""
     from .prompt_files import read_text
 
     if args.prompt_ids is not None:
         if args.chat:
             raise UsageError("--chat needs a text prompt (--prompt or --prompt-file), not --prompt-ids")
-        bad = [i for i in args.prompt_ids if not 0 <= i < vocab_size]
-        if bad:
-            raise UsageError(f"--prompt-ids: prompt token ids must be in [0, {vocab_size}) ({folder}), got {bad[0]}")
-        return args.prompt_ids
+        return _checked(args.prompt_ids, config, args.max_new_tokens, f"--prompt-ids (model {folder})")
     if tokenizer is None:
         raise UsageError(f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json); "
                          "give the prompt as --prompt-ids")
@@ -310,12 +325,13 @@ def _prompt_ids(args, tokenizer, folder: Path, vocab_size: int) -> list[int]:
             raise UsageError("--chat: this model's tokenizer has no chat template")
         if not text.strip():  # the template's tokens alone are no prompt (as --batch refuses blank messages)
             raise UsageError(f"{source}: the prompt is empty (--chat needs a message)")
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
-    ids = tokenizer(text)["input_ids"]
-    if not ids:
-        raise UsageError(f"{source}: the prompt is empty (it tokenizes to no tokens)")
-    return ids
+        ids = list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False))
+    else:
+        ids = tokenizer(text)["input_ids"]
+        if not ids:
+            raise UsageError(f"{source}: the prompt is empty (it tokenizes to no tokens)")
+    return _checked(ids, config, args.max_new_tokens, source)
 
 
 def _check_no_speculate(args) -> None:
@@ -412,10 +428,9 @@ class _Streamer:
             self.out.flush()
 
 
-def _batch_prompts(args, tokenizer, folder: Path, context: int) -> list[list[int]]:
-    """The prompts of a --batch file (`specjax.prompt_files`: JSONL records or one per line);
-    one too long for the model's `context` with --max-new-tokens is named by its line (the
-    engine's own check gives only its length)."""
+def _batch_prompts(args, tokenizer, folder: Path, config: Qwen3Config) -> list[list[int]]:
+    """The prompts of a --batch file (`specjax.prompt_files`: JSONL records or one per line),
+    each one the model takes (`_checked`, naming its line)."""
     from .prompt_files import read_prompt_file
 
     if args.prompt_file is None:
@@ -423,11 +438,7 @@ def _batch_prompts(args, tokenizer, folder: Path, context: int) -> list[list[int
     if tokenizer is None:
         raise UsageError(f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json) for --batch")
     prompts = read_prompt_file(args.prompt_file, tokenizer, chat=args.chat)
-    for p in prompts:
-        if len(p.ids) + args.max_new_tokens > context:
-            raise UsageError(f"{p.where}: the prompt ({len(p.ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) "
-                             f"exceeds the model's max_position_embeddings ({context})")
-    return [list(p.ids) for p in prompts]
+    return [_checked(list(p.ids), config, args.max_new_tokens, p.where) for p in prompts]
 
 
 def _generate_batch(args, model, sampling) -> int:
@@ -440,7 +451,7 @@ def _generate_batch(args, model, sampling) -> int:
     _check_drafter_flags(args)
     if args.draft is not None or args.dflash is not None:
         raise UsageError("--batch drafts by prompt lookup (--speculate K) or not at all (--no-speculate)")
-    prompts = _batch_prompts(args, model.tokenizer, folder, model.config.max_position_embeddings)
+    prompts = _batch_prompts(args, model.tokenizer, folder, model.config)
     spec = None if args.no_speculate else Speculation(k=15 if args.speculate in (None, "auto") else args.speculate,
                                                       tree=args.tree)
     kw = dict(sampling=sampling, seed=args.seed, stop_ids=model.eos_ids, speculative=spec)
@@ -510,7 +521,7 @@ def _generate(args) -> int:
     sampling = _sampling(args, model)
     if args.batch:
         return _generate_batch(args, model, sampling)
-    ids = _prompt_ids(args, model.tokenizer, folder, model.config.vocab_size)
+    ids = _prompt_ids(args, model.tokenizer, folder, model.config)
     proposer = _proposer(args, model)
     stream = _Streamer(model.tokenizer)
     kw = dict(sampling=sampling, seed=args.seed, stop_ids=model.eos_ids, speculative=proposer,

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from . import steps
+from .config import Qwen3Config
 from .model import Model
 from .errors import SpecjaxError, is_integer
 
@@ -142,22 +143,29 @@ def stop_set(stop_ids: Any) -> frozenset[int]:
     return stops
 
 
-def validate(model: Model, ids: np.ndarray, max_new_tokens: int, capacity: int | None, seed: int) -> int:
-    """Check a request's prompt, max_new_tokens and seed (and `capacity`, when given) against
-    the model; the capacity its row needs (`capacity_for`, or the one given)."""
-    if not is_integer(seed) or not 0 <= seed < 2 ** 32:
-        raise GenerationError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+def check_prompt(config: Qwen3Config, ids: np.ndarray, max_new_tokens: int) -> None:
+    """A GenerationError unless `ids` (from `token_ids`) is a prompt the model can take with
+    `max_new_tokens` after it: non-empty, 1-D, in the vocabulary, within the context."""
     if ids.ndim != 1 or len(ids) == 0:
         raise GenerationError(f"prompt must be a non-empty 1-D list of token ids, got shape {ids.shape}")
-    if ids.min() < 0 or ids.max() >= model.config.vocab_size:
-        raise GenerationError(f"prompt token ids must be in [0, {model.config.vocab_size}), "
+    if ids.min() < 0 or ids.max() >= config.vocab_size:
+        raise GenerationError(f"prompt token ids must be in [0, {config.vocab_size}), "
                               f"got min {ids.min()} max {ids.max()}")
     if not is_integer(max_new_tokens) or max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    total = len(ids) + max_new_tokens
-    if total > model.config.max_position_embeddings:
+    if len(ids) + max_new_tokens > config.max_position_embeddings:
         raise GenerationError(f"prompt ({len(ids)}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                              f"max_position_embeddings ({model.config.max_position_embeddings})")
+                              f"max_position_embeddings ({config.max_position_embeddings})")
+
+
+def validate(model: Model, ids: np.ndarray, max_new_tokens: int, capacity: int | None, seed: int) -> int:
+    """Check a request's prompt and max_new_tokens (`check_prompt`) and seed (and `capacity`,
+    when given) against the model; the capacity its row needs (`capacity_for`, or the one
+    given)."""
+    if not is_integer(seed) or not 0 <= seed < 2 ** 32:
+        raise GenerationError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+    check_prompt(model.config, ids, max_new_tokens)
+    total = len(ids) + max_new_tokens
     if capacity is None:
         return capacity_for(total)
     if not is_integer(capacity):

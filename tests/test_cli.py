@@ -82,7 +82,9 @@ def test_broken_tokenizer_exits_2_naming_it(tmp_path, capsys):
     (["generate", "--prompt", ""], "--prompt: the prompt is empty"),
     (["generate", "--prompt", "x", "--kv-dtype", "int8"], "--kv-dtype: invalid choice"),
     # an id too large for int64 is still named as an id outside the vocabulary
-    (["generate", "--prompt-ids", "1,99999999999999999999"], "--prompt-ids: prompt token ids must be in"),
+    (["generate", "--prompt-ids", "1,99999999999999999999"], "prompt token ids must be in [0, "),
+    (["generate", "--prompt-ids", "1,2", "--max-new-tokens", "99999"], "--prompt-ids (model "),
+    (["generate", "--prompt", "x", "--max-new-tokens", "99999"], "--prompt: prompt (1) + max_new_tokens (99999) exceeds"),
     (["generate", "--prompt-ids", "1_000"], "comma-separated integers"),  # int() would read it as 1000
     (["generate", "--prompt-ids", "\u0661,\u0662"], "comma-separated integers"),  # Arabic-Indic digits 1, 2
 ])
@@ -272,7 +274,7 @@ def test_stream_ends_with_all_the_text_decode_gives(capsys):
 
 @pytest.mark.parametrize("content,line,message", [
     # the engine alone would say "prompt (N) + max_new_tokens ... exceeds", not which of the lines
-    ("import os\n" + "x = 1; " * 900 + "\n", 2, "+ --max-new-tokens (4) exceeds the model's max_position_embeddings"),
+    ("import os\n" + "x = 1; " * 900 + "\n", 2, "+ max_new_tokens (4) exceeds the model's max_position_embeddings"),
     ('{"prompt": "import os"}\n{"prompt": "a", "prompt": "b"}\n', 2, "key 'prompt' repeated"),  # not "b" alone
     ('{"messages": [{"role": "user", "content": "a", "content": "b"}]}\n', 1, "key 'content' repeated"),
 ])
