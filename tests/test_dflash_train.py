@@ -273,6 +273,41 @@ def test_warmup_leaves_a_step_to_decay_and_a_one_step_run_trains(cyclic, data, t
     assert trainer.train(target, _cfg(target), tc, data, tmp_path / "run")["step"] == 1
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "0"], "--lr must be > 0, got 0.0"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--weight-decay", "-0.01"], "--weight-decay must be >= 0, got -0.01"),
+    (["--clip", "0"], "--clip must be > 0, got 0.0"),
+    (["--clip", "inf"], "--clip must be a finite number, got inf"),
+    (["--warmup-ratio", "-0.1"], "--warmup-ratio must be in [0, 1], got -0.1"),
+    (["--warmup-ratio", "1.5"], "--warmup-ratio must be in [0, 1], got 1.5"),
+    (["--gamma", "-1"], "--gamma must be >= 0, got -1.0"),
+    (["--gamma", "nan"], "--gamma must be a finite number, got nan"),
+    (["--markov-rank", "-2"], "--markov-rank must be >= 0, got -2"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--edit-share", "1.5"], "--edit-share must be in [0, 1], got 1.5"),
+    (["--data-seed", "-1"], "--data-seed must be >= 0, got -1"),
+    # the sampling flags of the generated replies, by specjax.Sampling's own rules
+    (["--temperature", "-1"], "--temperature: temperature must be a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    (["--top-k", "-1"], "--top-k: top_k must be an integer >= 0"),
+    (["--top-p", "0"], "--top-p: top_p must be in (0, 1], got 0.0"),
+    (["--sample", "--top-p", "1.5"], "--top-p: top_p must be in (0, 1], got 1.5"),
+    (["--min-p", "2"], "--min-p: min_p must be in [0, 1], got 2.0"),
+])
+def test_bad_flag_values_are_refused_naming_the_flag_before_loading(flags, message, tmp_path, capsys):
+    """python -m train.dflash refuses a value out of range (or NaN / inf) with an argparse error
+    naming the flag before it loads the target (--target does not exist here), let alone
+    generates data or compiles: not an error of specjax.Sampling naming its own argument after
+    the target loads, nor a run that trains on (a negative --gamma or --warmup-ratio)."""
+    with pytest.raises(SystemExit) as exit_:
+        trainer.main(["--target", str(tmp_path / "no-target"), "--out", str(tmp_path / "out"),
+                      "--run", str(tmp_path / "run"), *flags])
+    assert exit_.value.code == 2
+    assert f"python -m train.dflash: error: {message}" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 def test_resuming_with_other_settings_is_refused_naming_the_flags(cyclic, data, tmp_path):
     """A checkpoint records its training settings; resuming it under others (a learning rate,
     batch or Markov head of another run) is refused, naming each flag, rather than mixed."""

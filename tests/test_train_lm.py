@@ -165,3 +165,35 @@ def test_count_flags_refuse_zero_naming_the_flag(flag, configs, capsys):
         assert exit_.value.code == 2
         assert f"argument {flag}: must be an integer of at least 1, got 0" in capsys.readouterr().err
         assert getattr(parser.parse_args([flag, "3"]), flag[2:].replace("-", "_")) == 3
+
+
+@pytest.mark.parametrize("stage", ["target", "draft"])
+@pytest.mark.parametrize("flags, message", [
+    (["--steps", "100"], "--warmup 200 must be less than --steps 100"),  # the default warmup
+    (["--steps", "5", "--warmup", "5"], "--warmup 5 must be less than --steps 5"),
+    (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+    (["--lr", "0"], "--lr must be > 0, got 0.0"),
+    (["--lr", "-0.001"], "--lr must be > 0, got -0.001"),
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1"),
+    (["--weight-decay", "inf"], "--weight-decay must be a finite number, got inf"),
+    (["--clip", "0"], "--clip must be > 0, got 0.0"),
+    (["--clip", "nan"], "--clip must be a finite number, got nan"),
+    (["--reply-weight", "nan"], "--reply-weight must be a finite number, got nan"),
+    (["--rename-weight", "-1"], "--rename-weight must be >= 0, got -1.0"),
+    (["--save-every-minutes", "-5"], "--save-every-minutes must be >= 0, got -5.0"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+])
+def test_bad_flag_values_are_refused_naming_the_flag_before_any_work(stage, flags, message, tmp_path, capsys):
+    """python -m train.target / train.draft refuse a value out of range (or NaN / inf) with an
+    argparse error naming the flag, before reading the shards (--data does not exist here),
+    rather than crashing in optax's schedule (--steps <= --warmup), in the first batch
+    (--seed -1) or training on silently (a negative weight decay, a NaN learning rate)."""
+    import importlib
+
+    main = importlib.import_module(f"train.{stage}").main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--data", str(tmp_path / "no-shards"), "--ckpt-dir", str(tmp_path / "run"), *flags])
+    assert exit_.value.code == 2
+    assert f"python -m train.{stage}: error: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -120,6 +120,12 @@ class DFlashTrainConfig:
             d.pop(name)
         return d
 
+    def check_flags(self) -> None:
+        """FlagError naming the flag of a value out of range (``lm.config_from_args``); --gamma 0
+        is the default gamma. (Programmatic configs are not checked: a test may train at lr 0.)"""
+        lm.check_ranges(self, positive=("lr", "clip"), fractions=("warmup_ratio",),
+                        non_negative=("weight_decay", "gamma", "markov_rank", "save_every_minutes", "seed"))
+
     @property
     def warmup(self) -> int:
         """Warmup steps: at least one, but fewer than `steps` (the cosine decay needs a step
@@ -650,6 +656,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.set_defaults(**dict.fromkeys(SAMPLING_FLAGS))  # not given: the target's generation_config.json
     lm.add_config_flags(p, DFlashTrainConfig)
     args = p.parse_args(argv)
+    # bad values refused before anything is loaded; sampling flags not given are checked once they
+    # are filled from the target's generation_config.json (_sampling_flags)
+    tc = lm.config_from_args(args, DFlashTrainConfig, p)
+    lm.config_from_args(args, DataConfig, p)
     if args.coordinator or args.num_processes or args.process_id is not None:
         init_distributed(args.coordinator, args.num_processes, args.process_id)  # before any device is touched
     signal.signal(signal.SIGTERM, lm._interrupt)  # `kill` saves like Ctrl-C
@@ -665,9 +675,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if tok is None:
         p.error(f"{args.target}: no tokenizer files (needed for prompts)")
     _sampling_flags(args, target)
-    dc, tc = lm.config_from_args(args, DataConfig), lm.config_from_args(args, DFlashTrainConfig)
-    if tc.lr <= 0:
-        p.error(f"--lr must be > 0, got {tc.lr}")
+    dc = lm.config_from_args(args, DataConfig, p)
     mask = mask_token_id(tok, target.config.vocab_size, args.mask_token_id)
     if tc.batch % mesh.shape["data"]:
         p.error(f"--batch {tc.batch} is not a multiple of the {mesh.shape['data']} data-parallel groups "

@@ -43,8 +43,8 @@ from tqdm import tqdm
 import specjax
 from specjax import cpu_kernels, edits
 from specjax.errors import SpecjaxError
-from specjax.sampling import Sampling
-from train import corpus
+from specjax.sampling import Sampling, SamplingError
+from train import corpus, lm
 from train import prompts as user_prompts
 
 
@@ -79,6 +79,16 @@ class DataConfig:
     @property
     def sampling(self) -> Sampling:
         return Sampling(self.temperature, self.top_k, self.top_p, self.min_p) if self.sample else Sampling()
+
+    def check_flags(self) -> None:
+        """FlagError naming the flag of a value out of range (``train.lm.config_from_args``); the
+        sampling flags are checked by :class:`Sampling`'s own rules, with or without --sample."""
+        lm.check_ranges(self, fractions=("edit_share",), non_negative=("data_seed",))
+        for name in ("temperature", "top_k", "top_p", "min_p"):
+            try:
+                Sampling(**{name: getattr(self, name)})
+            except SamplingError as e:
+                raise lm.FlagError(f"{lm.flag_name(name)}: {e}") from None
 
     def plan(self, target: specjax.Model, prompts: np.ndarray | None = None) -> dict[str, Any]:
         """Everything the stored sequences depend on, the target included (shard_size and

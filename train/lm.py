@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from specjax import checkpoint, qwen3
 from specjax.config import Qwen3Config
+from specjax.errors import SpecjaxError
 from specjax.runtime import enable_compilation_cache
 from train.data import MARKS_FILE, PLAIN, RENAMED, REPLY, load_shard, random_batches
 
@@ -67,6 +68,15 @@ class TrainConfig:
     seed: int = 0
     reply_weight: float = 1.0   # loss weight of rename replies' copied tokens (train.data.REPLY)
     rename_weight: float = 1.0  # and of their new-name tokens (train.data.RENAMED)
+
+    def check_flags(self) -> None:
+        """FlagError naming the flag of a value out of range (:func:`config_from_args`)."""
+        check_ranges(self, positive=("lr", "clip"),
+                     non_negative=("warmup", "weight_decay", "save_every_minutes", "reply_weight", "rename_weight",
+                                   "seed"))
+        if self.warmup >= self.steps:  # optax's cosine decay needs a step after the warmup
+            raise FlagError(f"--warmup {self.warmup} must be less than --steps {self.steps} "
+                            "(the cosine decay needs a step after the warmup)")
 
 
 @functools.cache
@@ -324,13 +334,38 @@ def positive_int(text: str) -> int:
     return value
 
 
+class FlagError(SpecjaxError):
+    """A training flag's value out of its range; the message names the flag."""
+
+
+def flag_name(field: str) -> str:
+    """The command-line flag of a config field: ``--flag-name``."""
+    return "--" + field.replace("_", "-")
+
+
+def check_ranges(config: Any, positive: Sequence[str] = (), non_negative: Sequence[str] = (),
+                 fractions: Sequence[str] = ()) -> None:
+    """FlagError naming the first flag of `config` (a flag dataclass) out of range: every
+    float field must be finite (argparse's float() reads "nan" and "inf"), `positive` ones
+    > 0, `non_negative` ones >= 0 and `fractions` in [0, 1]."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise FlagError(f"{flag_name(f.name)} must be a finite number, got {value}")
+    for names, ok, bound in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0"),
+                             (fractions, lambda v: 0 <= v <= 1, "in [0, 1]")):
+        for name in names:
+            if not ok(getattr(config, name)):
+                raise FlagError(f"{flag_name(name)} must be {bound}, got {getattr(config, name)}")
+
+
 def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """One ``--flag-name`` per field of the dataclass ``cls`` (bool fields: store_true;
     COUNT_FIELDS: at least 1)."""
     d = cls()
     for f in dataclasses.fields(cls):
         default = getattr(d, f.name)
-        flag = "--" + f.name.replace("_", "-")
+        flag = flag_name(f.name)
         if isinstance(default, bool):
             parser.add_argument(flag, action="store_true", default=default)
         else:
@@ -338,9 +373,20 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag, type=kind, default=default)
 
 
-def config_from_args(args: argparse.Namespace, cls: type) -> Any:
-    """The ``cls`` instance of the flags added by :func:`add_config_flags`."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+def config_from_args(args: argparse.Namespace, cls: type, parser: argparse.ArgumentParser | None = None) -> Any:
+    """The ``cls`` instance of the flags added by :func:`add_config_flags` (a flag left None,
+    e.g. by ``parser.set_defaults``, takes the field's default), checked by its
+    ``check_flags()``: a value out of range is ``parser.error`` naming the flag (a FlagError
+    without `parser`). Call it before any costly work."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    config = cls(**{name: value for name, value in given.items() if value is not None})
+    try:
+        config.check_flags()
+    except FlagError as e:
+        if parser is None:
+            raise
+        parser.error(str(e))
+    return config
 
 
 def main(presets: dict[str, Qwen3Config], default: str, argv: Sequence[str] | None, prog: str,
@@ -355,13 +401,11 @@ def main(presets: dict[str, Qwen3Config], default: str, argv: Sequence[str] | No
     p.add_argument("--init", type=Path, help="start a fresh run from this HF model folder (fine-tuning)")
     add_config_flags(p, TrainConfig)
     args = p.parse_args(argv)
+    tc = config_from_args(args, TrainConfig, p)  # bad values refused before any data is read
     enable_compilation_cache()
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` saves like Ctrl-C
-    tc = config_from_args(args, TrainConfig)
     meta = json.loads((args.data / "meta.json").read_text())
     marks = None
-    if min(tc.reply_weight, tc.rename_weight) < 0:
-        p.error(f"--reply-weight and --rename-weight must be >= 0, got {tc.reply_weight}, {tc.rename_weight}")
     if (tc.reply_weight, tc.rename_weight) != (1.0, 1.0):
         if not (args.data / MARKS_FILE).is_file():
             p.error(f"--reply-weight / --rename-weight need {args.data / MARKS_FILE}: "
