@@ -193,8 +193,9 @@ def assert_follows(counts: np.ndarray, law: np.ndarray, label: str = "") -> None
 
 @pytest.fixture
 def rng(request):
-    """Fresh randomness per run; the seed is printed on failure via the test id."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """Fresh randomness per run; a failing test's output shows its seed, and
+    SPECJAX_TEST_SEED=<seed> replays it."""
+    seed = int(os.environ.get("SPECJAX_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     print(f"rng seed {seed}")
     return np.random.default_rng(seed)
 
