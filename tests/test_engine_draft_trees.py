@@ -155,9 +155,11 @@ def _fresh_keys(draft):
 def _cache_holds_committed(engine, req, keys, lag: int = SPAN_LAG) -> None:
     """The draft cache's keys of req's row at its dlen positions equal those of a fresh
     prefill of its committed tokens (the last layer's: they depend on every earlier one),
-    and it lags them by at most `lag`."""
+    and, for a row that drafts (k > 0), it lags them by at most `lag`. A row that never
+    drafts is fed only beside rows that do: once they are gone, it may lag any amount."""
     n = req.dlen
-    assert req.length - lag <= n <= req.length <= CHECKED
+    assert n <= req.length <= CHECKED
+    assert req.k == 0 or req.length - lag <= n, (req.length, n)
     slots = np.asarray(kvlib.row_slots(jnp.asarray(engine.table[req.slot:req.slot + 1]), engine.page_size))[0, :n]
     got = np.asarray(kvlib.layer_slots(engine.dk_pool, engine.draft.config.num_hidden_layers - 1))[:, slots]
     ids = np.zeros((1, CHECKED), np.int32)
