@@ -28,7 +28,7 @@ from .loop import generate
 from .model import Model, load
 from .proposers import DraftProposer, NgramProposer
 from .sampling import Sampling
-from .workloads import WORKLOADS, workload
+from .workloads import WORKLOADS, benchmark_prompts
 
 TREE_PROPOSERS = ("lookup", "draft", "dflash")  # the proposers that draft trees
 SAMPLINGS = {"greedy": Sampling(), "sampled": Sampling(temperature=0.6, top_k=20, top_p=0.95)}
@@ -160,8 +160,7 @@ def _llamacpp(cfg: BenchConfig, target: Model, log: Callable[[str], None]
     widened at load, int8 quantized at load for q8_0). Also each type's tag of specjax's
     rows ("" for the loaded model's own, None where specjax has no such weights: a 16-bit
     type the checkpoint is not stored in) and the run's llama.cpp facts."""
-    llamacpp.converter(cfg.llamacpp)  # the cheap checks first, before any model is loaded
-    llama_cpp = llamacpp.require()
+    llama_cpp = llamacpp.require()  # (it and the converter were checked before the model was loaded)
     cache = cfg.gguf_cache or llamacpp.default_cache()
     files = {t: llamacpp.convert(cfg.llamacpp, cfg.model, t, cache, log) for t in cfg.gguf_types}
     n_threads = cfg.llamacpp_threads or llamacpp.threads()
@@ -484,7 +483,11 @@ def _profiled_step() -> Callable:
 
 def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the benchmark; returns (and writes) the results."""
+    if cfg.llamacpp is not None:  # the cheap checks first, before any model is loaded
+        llamacpp.converter(cfg.llamacpp)
+        llamacpp.require()
     target = load(cfg.model, kv_dtype=cfg.kv_dtype)
+    workloads = benchmark_prompts(target, cfg.workloads, cfg.prompts, cfg.prompt_tokens, cfg.new_tokens)
     lc_rows, lc_tags, lc_info = _llamacpp(cfg, target, log) if cfg.llamacpp is not None else ([], {}, {})
     methods = _methods(cfg, target)
     hf = _hf_runner(cfg)
@@ -493,8 +496,7 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(), "config": _jsonable(dataclasses.asdict(cfg)),
         "cells": [],
     }
-    for kind in cfg.workloads:
-        prompts = workload(target.tokenizer, kind, cfg.prompts, cfg.prompt_tokens)
+    for kind, prompts in workloads.items():
         for sname in cfg.samplings:
             sampling = SAMPLINGS[sname]
             log(f"[{kind} / {sname}] {len(prompts)} prompt(s) of ~{cfg.prompt_tokens} tokens, {cfg.new_tokens} new")

@@ -23,7 +23,7 @@ import numpy as np
 from .engine import Engine, Speculation, max_len_for
 from .model import Model, load
 from .sampling import Sampling
-from .workloads import WORKLOADS, PromptError, workload
+from .workloads import WORKLOADS, PromptError, benchmark_prompts
 
 SAMPLINGS = {"greedy": Sampling(), "sampled": Sampling(temperature=0.6, top_k=20, top_p=0.95)}
 
@@ -113,12 +113,13 @@ def run(cfg: ConcurrencyConfig, log: Callable[[str], None] = print) -> dict[str,
     target = load(cfg.model, kv_dtype=cfg.kv_dtype)
     if target.tokenizer is None:
         raise PromptError(f"{cfg.model}: the benchmark's prompts are text; it needs a tokenizer")
+    pools = benchmark_prompts(target, cfg.workloads, max(cfg.levels), cfg.prompt_tokens, cfg.new_tokens)
     hf = _hf_runner(cfg)
     methods = _methods(cfg)
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": _machine(),
                                "config": _jsonable(dataclasses.asdict(cfg)), "cells": []}
-    for kind in cfg.workloads:
-        pool = [p.ids for p in workload(target.tokenizer, kind, max(cfg.levels), cfg.prompt_tokens)]
+    for kind, made in pools.items():
+        pool = [p.ids for p in made]
         for sname in cfg.samplings:
             sampling = SAMPLINGS[sname]
             for c in cfg.levels:

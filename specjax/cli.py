@@ -223,6 +223,8 @@ def _levels(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not levels or min(levels) < 1:
         raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got {text!r}")
+    if len(set(levels)) < len(levels):
+        raise argparse.ArgumentTypeError(f"concurrency levels must differ, got {text!r}")
     return levels
 
 
@@ -235,7 +237,7 @@ def _bench_concurrency(args) -> int:
         if getattr(args, theirs) is not None:
             kw[ours] = getattr(args, theirs)
     if args.workloads:
-        kw["workloads"] = tuple(args.workloads)
+        kw["workloads"] = tuple(dict.fromkeys(args.workloads))
     if args.quick:
         kw.setdefault("reps", 1)
         kw.setdefault("new_tokens", 48)
@@ -250,9 +252,18 @@ def _bench_concurrency(args) -> int:
 def _bench(args) -> int:
     from .bench import BenchConfig, run
 
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out}: exists and is not a folder")
     if args.concurrency:
-        if args.llamacpp is not None:
-            raise UsageError("--llamacpp times single requests; it does not go with --concurrency")
+        single = [flag for flag, given in (
+            ("--llamacpp", args.llamacpp is not None), ("--llamacpp-types", args.llamacpp_types is not None),
+            ("--llamacpp-threads", args.llamacpp_threads is not None), ("--gguf-cache", args.gguf_cache is not None),
+            ("--prompts", args.prompts is not None), ("--draft", args.draft is not None),
+            ("--dflash", args.dflash is not None), ("--trees", args.trees is not None),
+            ("--no-profile", args.no_profile)) if given]
+        if single:  # (the concurrency run draws max(C) prompts and times prompt lookup alone, no profiles)
+            raise UsageError(f"--concurrency does not use {', '.join(single)} (flags of the single-request "
+                             "benchmark); drop them or --concurrency")
         return _bench_concurrency(args)
     model = args.model or default_model()
     kw = dict(model=model, draft=args.draft or _sibling(model, "draft"), dflash=args.dflash or _sibling(model, "dflash"),
@@ -261,9 +272,13 @@ def _bench(args) -> int:
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     if args.workloads:
-        kw["workloads"] = tuple(args.workloads)
+        kw["workloads"] = tuple(dict.fromkeys(args.workloads))
     if args.trees is not None:
         kw["trees"] = tuple(dict.fromkeys(args.trees))
+        for name, flag in (("draft", "--draft"), ("dflash", "--dflash")):
+            if name in kw["trees"] and kw[name] is None:
+                raise UsageError(f"--trees {name}: there is no {name} model to draft trees with (give {flag} DIR; "
+                                 f"{model.parent / (model.name + '-' + name)} is not there)")
     if args.llamacpp is not None:
         kw.update(llamacpp=args.llamacpp, gguf_cache=args.gguf_cache, llamacpp_threads=args.llamacpp_threads)
         if args.llamacpp_types:

@@ -179,3 +179,23 @@ def workload(tokenizer: Any, kind: str, n: int, prompt_tokens: int, seed: int = 
         raise PromptError("the benchmark's prompts are text: the model folder needs a tokenizer "
                           "(tokenizer.json or tokenizer_config.json)")
     return MAKERS[kind](tokenizer, n, prompt_tokens, seed)
+
+
+def benchmark_prompts(model: Any, kinds: Iterable[str], n: int, prompt_tokens: int, new_tokens: int
+                      ) -> dict[str, list[Prompt]]:
+    """Every workload's prompts (`workload`), each one `model` takes with `new_tokens` after
+    it (`results.check_prompt`): built before anything is compiled or timed, so that a
+    length the model cannot take is refused by its flags, not after other workloads ran."""
+    import numpy as np
+
+    from .results import GenerationError, check_prompt
+
+    out = {kind: workload(model.tokenizer, kind, n, prompt_tokens) for kind in kinds}
+    for kind, prompts in out.items():
+        for p in prompts:
+            try:
+                check_prompt(model.config, np.asarray(p.ids), new_tokens)
+            except GenerationError as e:
+                raise PromptError(f"--prompt-tokens {prompt_tokens} / --new-tokens {new_tokens} "
+                                  f"({kind} workload): {e}") from None
+    return out

@@ -244,3 +244,48 @@ def test_concurrency_run_writes_every_cell_and_stays_exact(tmp_path):
     written = json.loads((tmp_path / "out" / "concurrency.json").read_text())
     assert len(written["cells"]) == 2
     assert (tmp_path / "out" / "concurrency.md").read_text().count("\n| edit |") == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--concurrency", "1,2,1"], "argument --concurrency: concurrency levels must differ, got '1,2,1'"),
+    (["--concurrency", "2", "--prompts", "3"], "--concurrency does not use --prompts"),
+    (["--concurrency", "2", "--draft", "d", "--no-profile"], "--concurrency does not use --draft, --no-profile"),
+    (["--concurrency", "2", "--trees"], "--concurrency does not use --trees"),
+    (["--concurrency", "2", "--llamacpp", "src"], "--concurrency does not use --llamacpp"),
+    (["--out", "{file}"], "--out {file}: exists and is not a folder"),
+    (["--concurrency", "2", "--out", "{file}"], "--out {file}: exists and is not a folder"),
+    (["--trees", "lookup", "draft"], "--trees draft: there is no draft model"),
+    (["--trees", "dflash"], "--trees dflash: there is no dflash model"),
+])
+def test_bench_flags_that_cannot_apply_exit_2_before_loading(argv, message, tmp_path, capsys):
+    """Flags the run would ignore (single-request ones under --concurrency, a tree proposer
+    without its model), repeated levels and an --out that is a file are usage errors naming
+    the flag, raised before the model is loaded (--model does not exist here): not silently
+    ignored, repeated, or a traceback after the whole run."""
+    from specjax.cli import main
+
+    (tmp_path / "a-file").write_text("not a folder\n")
+    argv = [a.format(file=tmp_path / "a-file") for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--model", str(tmp_path / "no-model"), "--no-hf", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message.format(file=tmp_path / "a-file") in err and "Traceback" not in err
+    assert "not a directory" not in err  # refused before the model was looked at
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+@pytest.mark.parametrize("mode", [[], ["--concurrency", "1"]])
+def test_bench_prompts_past_the_context_are_refused_by_their_flags_before_timing(mode, tmp_path, capsys):
+    """Prompts of --prompt-tokens that leave no room for --new-tokens in the model's context are
+    refused naming both flags, for every workload before any is timed (or compiled)."""
+    from specjax.cli import main
+
+    target = _random_model(tmp_path / "t", 32, 1, 1)  # a 2048-token context
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--model", str(target), "--quick", "--no-hf", *(["--no-profile"] if not mode else mode),
+              "--workloads", "novel", "--prompt-tokens", "2040", "--new-tokens", "9", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert ("--prompt-tokens 2040 / --new-tokens 9 (novel workload): prompt (2040) + max_new_tokens (9) exceeds "
+            "the model's max_position_embeddings (2048)") in err
+    assert not (tmp_path / "out").exists()

@@ -294,6 +294,22 @@ def test_warmup_leaves_a_step_to_decay_and_a_one_step_run_trains(cyclic, data, t
     (["--top-p", "0"], "--top-p: top_p must be in (0, 1], got 0.0"),
     (["--sample", "--top-p", "1.5"], "--top-p: top_p must be in (0, 1], got 1.5"),
     (["--min-p", "2"], "--min-p: min_p must be in [0, 1], got 2.0"),
+    # the drafter's shape, evaluation prompts and devices (RunFlags)
+    (["--layers", "0"], "--layers must be > 0, got 0"),
+    (["--block-size", "1"], "--block-size must be >= 2 (the anchor and at least one draft), got 1"),
+    (["--eval-prompts", "0"], "--eval-prompts must be > 0, got 0"),
+    (["--eval-prompt-len", "-3"], "--eval-prompt-len must be > 0, got -3"),
+    (["--devices", "0"], "--devices must be > 0, got 0"),
+    (["--tp", "0"], "--tp must be > 0, got 0"),
+    (["--mask-token-id", "-1"], "--mask-token-id must be >= 0, got -1"),
+    (["--prompt-file", "p.txt", "--heldout-share", "0"], "--heldout-share must be in (0, 1), got 0.0"),
+    (["--prompt-file", "p.txt", "--heldout-share", "1"], "--heldout-share must be in (0, 1), got 1.0"),
+    (["--prompt-file", "p.txt", "--heldout-share", "nan"], "--heldout-share must be a finite number, got nan"),
+    # flags of the other prompt source
+    (["--heldout-share", "0.2"], "--heldout-share applies to the user's prompts (--prompt-file / --prompt-dir)"),
+    (["--chat"], "--chat applies to the user's prompts"),
+    (["--prompt-dir", "d", "--eval-prompts", "2"], "--eval-prompts applies to corpus prompts, not to --prompt-file"),
+    (["--prompt-file", "p.txt", "--eval-prompt-len", "64"], "--eval-prompt-len applies to corpus prompts"),
 ])
 def test_bad_flag_values_are_refused_naming_the_flag_before_loading(flags, message, tmp_path, capsys):
     """python -m train.dflash refuses a value out of range (or NaN / inf) with an argparse error

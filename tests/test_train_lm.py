@@ -197,3 +197,31 @@ def test_bad_flag_values_are_refused_naming_the_flag_before_any_work(stage, flag
     assert exit_.value.code == 2
     assert f"python -m train.{stage}: error: {message}" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("files", [(), ("tokenizer_config.json",)])
+def test_evaluate_refuses_a_model_without_tokenizer_before_loading(files, tmp_path, capsys, monkeypatch):
+    """python -m train.evaluate on a folder without tokenizer files: a usage error naming
+    --model and the files, before the weights are loaded, not an AttributeError traceback
+    after; a folder with either file gets past the check (to the loader, stubbed here)."""
+    import specjax
+    from conftest import hf_tiny
+    from train import evaluate
+
+    hf_tiny(tmp_path, num_hidden_layers=1)  # weights and config only
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).unlink(missing_ok=True)
+    for name in files:
+        (tmp_path / name).write_text("{}")
+
+    def loaded(*args, **kwargs):
+        raise SystemExit("loaded")
+    monkeypatch.setattr(specjax, "load", loaded)
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.main(["--model", str(tmp_path), "--edits", "0", "--samples", "0"])
+    if files:
+        assert exit_.value.code == "loaded"
+    else:
+        assert exit_.value.code == 2
+        assert (f"python -m train.evaluate: error: --model {tmp_path}: no tokenizer files (tokenizer.json / "
+                "tokenizer_config.json)") in capsys.readouterr().err

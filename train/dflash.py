@@ -133,6 +133,36 @@ class DFlashTrainConfig:
         return min(max(1, round(self.warmup_ratio * self.steps)), self.steps - 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class RunFlags:
+    """The drafter's shape, the evaluation prompts and the devices: the flags of ``python -m
+    train.dflash`` outside DFlashTrainConfig and DataConfig (declared in :func:`main` with
+    their help; a flag not given is None, its field's default here), checked with them by
+    ``lm.config_from_args`` before the target is loaded."""
+
+    layers: int = 2
+    block_size: int = 16
+    eval_prompts: int = 4       # corpus mode: held-out prompts per workload
+    eval_prompt_len: int = 300  # corpus mode
+    devices: int | None = None  # default: all
+    tp: int = 1
+    mask_token_id: int | None = None
+    heldout_share: float = 0.05  # the user's prompts
+
+    def check_flags(self) -> None:
+        """FlagError naming the flag of a value out of range: counts of at least 1 (no eval
+        prompts would never export the drafter), a block of the anchor and at least one
+        draft, a mask id that is a token id, a held-out share strictly between 0 and 1."""
+        lm.check_ranges(self, positive=("layers", "eval_prompts", "eval_prompt_len", "tp"),
+                        non_negative=() if self.mask_token_id is None else ("mask_token_id",))
+        if self.devices is not None and self.devices < 1:
+            raise lm.FlagError(f"--devices must be > 0, got {self.devices}")
+        if self.block_size < 2:
+            raise lm.FlagError(f"--block-size must be >= 2 (the anchor and at least one draft), got {self.block_size}")
+        if not 0 < self.heldout_share < 1:
+            raise lm.FlagError(f"--heldout-share must be in (0, 1), got {self.heldout_share}")
+
+
 # ------------------------------------------------------------------------------ loss
 
 def block_tokens(tokens: jax.Array, anchors: jax.Array, block_size: int, mask_id: int) -> jax.Array:
@@ -578,14 +608,14 @@ def mask_token_id(tokenizer: Any, embedding_rows: int, given: int | None = None)
     return mask
 
 
-def _user_data(args: argparse.Namespace, target: specjax.Model, dc: DataConfig, data_dir: Path
-               ) -> tuple[Sequences, list[tuple[str, list[int]]]]:
+def _user_data(args: argparse.Namespace, target: specjax.Model, dc: DataConfig, data_dir: Path,
+               heldout_share: float) -> tuple[Sequences, list[tuple[str, list[int]]]]:
     """(training sequences, held-out prompts) of --prompt-file / --prompt-dir."""
     source = args.prompt_file or args.prompt_dir
     read = prompts.read_prompt_file if args.prompt_file else prompts.read_prompt_dir
     given = read(source, target.tokenizer, args.chat)
     unique = prompts.dedupe(given)
-    train_part, heldout = prompts.split(unique, args.heldout_share, dc.data_seed)
+    train_part, heldout = prompts.split(unique, heldout_share, dc.data_seed)
     print(f"{source}: {len(given)} prompts, {len(given) - len(unique)} duplicates dropped; "
           f"{len(train_part)} to train on, {len(heldout)} held out")
     data = generate_data(target, dc, data_dir, prompts=prompts.pad(train_part, dc.prompt_len))
@@ -625,23 +655,24 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "(the default, runs/data, without --prompt-file / --prompt-dir)")
     p.add_argument("--chat", action="store_true",
                    help="format plain prompts as a user message with the chat template (messages always are)")
-    p.add_argument("--heldout-share", type=float, default=0.05,
-                   help="share of the user's prompts held out for tau (at least one)")
+    p.add_argument("--heldout-share", type=float,
+                   help="share of the user's prompts held out for tau (at least one; default 0.05)")
     p.add_argument("--mask-token-id", type=int,
                    help="the drafter's mask id (default: the tokenizer's mask token, else len(tokenizer))")
-    p.add_argument("--layers", type=int, default=2, help="drafter layers")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, help="drafter layers (default 2)")
+    p.add_argument("--block-size", type=int, help="the anchor and its drafts (default 16)")
     p.add_argument("--target-layer-ids", type=_layer_ids, help="comma-separated taps (default: z-lab's spread)")
     p.add_argument("--init", type=Path, help="start a fresh run from this drafter folder (same config; "
                                                 "the block size may differ)")
-    p.add_argument("--eval-prompts", type=int, default=4,
-                   help="corpus mode: held-out prompts per workload (edit, complete)")
-    p.add_argument("--eval-prompt-len", type=int, default=300)
+    p.add_argument("--eval-prompts", type=int,
+                   help="corpus mode: held-out prompts per workload (edit, complete; default 4)")
+    p.add_argument("--eval-prompt-len", type=int, help="corpus mode: their length in tokens (default 300)")
     p.add_argument("--devices", type=int, help="local devices to split each batch over (default: all; "
                    "a multi-process run uses every process's devices)")
-    p.add_argument("--tp", type=int, default=1,
+    p.add_argument("--tp", type=int,
                    help="split the frozen target tensor-parallel over groups of this many devices (for a target "
-                        "too large for one device; one process only); batches are split over the groups")
+                        "too large for one device; one process only; default 1); batches are split over the "
+                        "groups")
     p.add_argument("--data-only", action="store_true",
                    help="generate (or complete) the training data in --data and stop, e.g. on one host before "
                         "a multi-host run, whose other processes would otherwise wait for it")
@@ -660,28 +691,38 @@ def main(argv: Sequence[str] | None = None) -> None:
     # are filled from the target's generation_config.json (_sampling_flags)
     tc = lm.config_from_args(args, DFlashTrainConfig, p)
     lm.config_from_args(args, DataConfig, p)
+    rf = lm.config_from_args(args, RunFlags, p)
+    user = args.prompt_file is not None or args.prompt_dir is not None
+    for flag, given, needs in (("--heldout-share", args.heldout_share is not None, user),
+                               ("--chat", args.chat, user),
+                               ("--eval-prompts", args.eval_prompts is not None, not user),
+                               ("--eval-prompt-len", args.eval_prompt_len is not None, not user)):
+        if given and not needs:
+            p.error(f"{flag} applies to " + ("the user's prompts (--prompt-file / --prompt-dir)" if not user
+                                             else "corpus prompts, not to --prompt-file / --prompt-dir (whose "
+                                                  "held-out share is --heldout-share)"))
     if args.coordinator or args.num_processes or args.process_id is not None:
         init_distributed(args.coordinator, args.num_processes, args.process_id)  # before any device is touched
     signal.signal(signal.SIGTERM, lm._interrupt)  # `kill` saves like Ctrl-C
     try:
-        mesh = data_mesh(args.devices, args.tp)
+        mesh = data_mesh(rf.devices, rf.tp)
     except dflash.DFlashError as e:
         p.error(str(e))
-    if args.tp > 1 and jax.process_count() > 1:
+    if rf.tp > 1 and jax.process_count() > 1:
         p.error("--tp: a tensor-parallel target runs in one process")
     # over "tp" each weight is placed as it is read, so the target need never fit one device
-    target = specjax.load(args.target, mesh=mesh if args.tp > 1 else None)
+    target = specjax.load(args.target, mesh=mesh if rf.tp > 1 else None)
     tok = target.tokenizer
     if tok is None:
         p.error(f"{args.target}: no tokenizer files (needed for prompts)")
     _sampling_flags(args, target)
     dc = lm.config_from_args(args, DataConfig, p)
-    mask = mask_token_id(tok, target.config.vocab_size, args.mask_token_id)
+    mask = mask_token_id(tok, target.config.vocab_size, rf.mask_token_id)
     if tc.batch % mesh.shape["data"]:
         p.error(f"--batch {tc.batch} is not a multiple of the {mesh.shape['data']} data-parallel groups "
                 f"(--devices / --tp)")
     compute = compute_dtype(args.precision, mesh.devices.flat[0].platform)
-    cfg = dflash.config_for(target.config, args.layers, args.block_size, args.target_layer_ids, mask)
+    cfg = dflash.config_for(target.config, rf.layers, rf.block_size, args.target_layer_ids, mask)
     run = args.run or Path("runs") / args.out.name
     data_dir = args.data or run / "data"
     for flag, folder in (("--out", args.out), ("--run", run), ("--data", data_dir)):
@@ -691,14 +732,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         if jax.process_index() > 0:  # process 0 generates the data and evaluates
             data, eval_prompts = share_data(None), []
         elif args.prompt_file or args.prompt_dir:
-            data, eval_prompts = _user_data(args, target, dc, data_dir)
+            data, eval_prompts = _user_data(args, target, dc, data_dir, rf.heldout_share)
         else:
             shard = (args.shards or Path("runs/data")) / "train.npy"
             if not (data_dir / "prompts.npy").is_file() and not shard.is_file():
                 p.error(f"{shard}: not found (build it with python -m train.tokenizer --shards, pass --shards, "
                         "or give your own prompts with --prompt-file / --prompt-dir)")
             data = generate_data(target, dc, data_dir, load_shard(shard) if shard.is_file() else None)
-            eval_prompts = heldout_prompts(tok, args.eval_prompts, args.eval_prompt_len)
+            eval_prompts = heldout_prompts(tok, rf.eval_prompts, rf.eval_prompt_len)
         if jax.process_index() == 0 and jax.process_count() > 1:
             data = share_data(data)
     except KeyboardInterrupt:

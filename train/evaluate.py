@@ -21,6 +21,7 @@ import optax
 import specjax
 from specjax import cpu_kernels, qwen3
 from specjax import edits
+from specjax.model import TOKENIZER_FILES
 from specjax.workloads import Prompt, completion_prompts, edit_prompts
 from train import corpus
 from train.data import encode_documents
@@ -124,6 +125,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     for flag, value in (("--edits", args.edits), ("--samples", args.samples)):
         if value < 0:
             ap.error(f"{flag} must be >= 0 (0 skips that part), got {value}")
+    if args.model.is_dir() and not any((args.model / name).is_file() for name in TOKENIZER_FILES):
+        ap.error(f"--model {args.model}: no tokenizer files ({' / '.join(TOKENIZER_FILES)}); the held-out text, "
+                 "edits and samples need one")
     model = specjax.load(args.model, dtype=args.dtype)
     tokens, _, stats = encode_documents(model.tokenizer.backend_tokenizer, corpus.heldout_documents(), "held-out files")
     loss = heldout_loss(model, tokens)
