@@ -656,23 +656,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--chat", action="store_true",
                    help="format plain prompts as a user message with the chat template (messages always are)")
     p.add_argument("--heldout-share", type=float,
-                   help="share of the user's prompts held out for tau (at least one; default 0.05)")
+                   help="share of the user's prompts held out for tau (at least one; "
+                        f"default {RunFlags.heldout_share})")
     p.add_argument("--mask-token-id", type=int,
                    help="the drafter's mask id (default: the tokenizer's mask token, else len(tokenizer))")
-    p.add_argument("--layers", type=int, help="drafter layers (default 2)")
-    p.add_argument("--block-size", type=int, help="the anchor and its drafts (default 16)")
+    p.add_argument("--layers", type=int, help=f"drafter layers (default {RunFlags.layers})")
+    p.add_argument("--block-size", type=int, help=f"the anchor and its drafts (default {RunFlags.block_size})")
     p.add_argument("--target-layer-ids", type=_layer_ids, help="comma-separated taps (default: z-lab's spread)")
     p.add_argument("--init", type=Path, help="start a fresh run from this drafter folder (same config; "
                                                 "the block size may differ)")
     p.add_argument("--eval-prompts", type=int,
-                   help="corpus mode: held-out prompts per workload (edit, complete; default 4)")
-    p.add_argument("--eval-prompt-len", type=int, help="corpus mode: their length in tokens (default 300)")
+                   help=f"corpus mode: held-out prompts per workload (edit, complete; default {RunFlags.eval_prompts})")
+    p.add_argument("--eval-prompt-len", type=int,
+                   help=f"corpus mode: their length in tokens (default {RunFlags.eval_prompt_len})")
     p.add_argument("--devices", type=int, help="local devices to split each batch over (default: all; "
                    "a multi-process run uses every process's devices)")
     p.add_argument("--tp", type=int,
                    help="split the frozen target tensor-parallel over groups of this many devices (for a target "
-                        "too large for one device; one process only; default 1); batches are split over the "
-                        "groups")
+                        f"too large for one device; one process only; default {RunFlags.tp}); batches are split "
+                        "over the groups")
     p.add_argument("--data-only", action="store_true",
                    help="generate (or complete) the training data in --data and stop, e.g. on one host before "
                         "a multi-host run, whose other processes would otherwise wait for it")
