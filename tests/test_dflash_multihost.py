@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import hf_tiny
+from conftest import hf_tiny, xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +58,7 @@ def _free_port() -> int:
 
 
 def _env(devices: int) -> dict[str, str]:
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    return {**os.environ, "XLA_FLAGS": xla_flags(f"--xla_force_host_platform_device_count={devices}"),
             "PYTHONPATH": str(ROOT), "SPECJAX_CACHE_DIR": "off"}
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import hf_tiny
+from conftest import hf_tiny, xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,7 +94,7 @@ def worker(tmp_path_factory):
     by "run:path", the target's first qkv weight as the 4-device steps got it) of WORKER's runs."""
     folder = tmp_path_factory.mktemp("target")
     hf_tiny(folder, seed=2, eos_token_id=0, vocab_size=104)  # every split weight divides over 4 (--tp 4)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": str(ROOT),
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4"), "PYTHONPATH": str(ROOT),
            "SPECJAX_CACHE_DIR": "off"}
     runs = tmp_path_factory.mktemp("runs")
     done = subprocess.run([sys.executable, "-c", WORKER, str(folder), str(runs)],

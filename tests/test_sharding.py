@@ -12,6 +12,8 @@ import textwrap
 
 import pytest
 
+from conftest import xla_flags
+
 CHILD = textwrap.dedent("""
     import json, sys, tempfile
     import numpy as np, jax, jax.numpy as jnp
@@ -88,7 +90,7 @@ CHILD = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def sharded():
     seed = int.from_bytes(os.urandom(3), "little")
-    env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4")}
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4")}
     proc = subprocess.run([sys.executable, "-c", CHILD, str(seed)], capture_output=True, text=True, env=env,
                           timeout=600)
     assert proc.returncode == 0, f"seed {seed}:\n{proc.stderr[-3000:]}"
