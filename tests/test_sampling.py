@@ -81,7 +81,7 @@ def test_top_p_matches_transformers_on_wide_vocabularies(rng, temperature, top_k
     assert np.abs(got[finite] - want[finite]).max() <= 1e-5
 
 
-@pytest.mark.parametrize("v,peaked", [(300, True), (300, False), (3000, False)], ids=["peaked", "flat", "flat-wide"])
+@pytest.mark.parametrize("v,peaked", [(300, True), (300, False), (1600, False)], ids=["peaked", "flat", "flat-wide"])
 def test_top_p_tokens_follow_the_transformed_distribution(rng, v, peaked):
     """Top-p alone: a support inside the CANDIDATES largest logits, one inside the
     WIDE_CANDIDATES largest (both drawn over those candidates) and one wider (drawn over
