@@ -140,13 +140,15 @@ def completion_prompts(tokenizer: Any, n: int, prompt_tokens: int, seed: int = 0
     """n windows of held-out code (about prompt_tokens tokens, ending at a newline)."""
     rng = random.Random(seed)
     files = [(name, text) for name, text in _heldout() if len(text) > 8 * prompt_tokens]
+    if not files:
+        raise PromptError(f"no held-out file is long enough for completion prompts of {prompt_tokens} tokens")
     out: list[Prompt] = []
     for _ in range(50 * n):
         if len(out) == n:
             break
         name, text = rng.choice(files)
         ids = tokenizer(text)["input_ids"]
-        if len(ids) < prompt_tokens + 64:
+        if len(ids) <= prompt_tokens + 64:  # (no start left to draw the window's from)
             continue
         start = rng.randrange(len(ids) - prompt_tokens - 64)
         window = ids[start:start + prompt_tokens]
@@ -171,14 +173,18 @@ MAKERS = {"edit": edit_prompts, "complete": completion_prompts, "novel": novel_p
 WORKLOADS = tuple(MAKERS)
 
 
-def workload(tokenizer: Any, kind: str, n: int, prompt_tokens: int, seed: int = 0) -> list[Prompt]:
-    """Prompts of one workload by name."""
+def _maker(tokenizer: Any, kind: str):
     if kind not in MAKERS:
         raise PromptError(f"unknown workload {kind!r}; choose from {sorted(MAKERS)}")
     if tokenizer is None:
         raise PromptError("the benchmark's prompts are text: the model folder needs a tokenizer "
                           "(tokenizer.json or tokenizer_config.json)")
-    return MAKERS[kind](tokenizer, n, prompt_tokens, seed)
+    return MAKERS[kind]
+
+
+def workload(tokenizer: Any, kind: str, n: int, prompt_tokens: int, seed: int = 0) -> list[Prompt]:
+    """Prompts of one workload by name."""
+    return _maker(tokenizer, kind)(tokenizer, n, prompt_tokens, seed)
 
 
 def benchmark_prompts(model: Any, kinds: Iterable[str], n: int, prompt_tokens: int, new_tokens: int
@@ -190,12 +196,14 @@ def benchmark_prompts(model: Any, kinds: Iterable[str], n: int, prompt_tokens: i
 
     from .results import GenerationError, check_prompt
 
-    out = {kind: workload(model.tokenizer, kind, n, prompt_tokens) for kind in kinds}
-    for kind, prompts in out.items():
-        for p in prompts:
-            try:
+    out = {}
+    for kind in kinds:
+        make = _maker(model.tokenizer, kind)
+        try:  # a length the workload cannot build or the model cannot take: the flags' fault
+            out[kind] = make(model.tokenizer, n, prompt_tokens)
+            for p in out[kind]:
                 check_prompt(model.config, np.asarray(p.ids), new_tokens)
-            except GenerationError as e:
-                raise PromptError(f"--prompt-tokens {prompt_tokens} / --new-tokens {new_tokens} "
-                                  f"({kind} workload): {e}") from None
+        except (PromptError, GenerationError) as e:
+            raise PromptError(f"--prompt-tokens {prompt_tokens} / --new-tokens {new_tokens} "
+                              f"({kind} workload): {e}") from None
     return out

@@ -289,3 +289,42 @@ def test_bench_prompts_past_the_context_are_refused_by_their_flags_before_timing
     assert ("--prompt-tokens 2040 / --new-tokens 9 (novel workload): prompt (2040) + max_new_tokens (9) exceeds "
             "the model's max_position_embeddings (2048)") in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kind,length,message", [
+    ("complete", 100000, "no held-out file is long enough for completion prompts of 100000 tokens"),
+    ("edit", 30, "could only build 0 of 1 edit prompts of 30 tokens")])
+def test_bench_prompts_the_workload_cannot_build_are_refused_by_their_flag(kind, length, message, tmp_path, capsys):
+    """A --prompt-tokens no held-out file is long enough for, or too short to hold an edit
+    instruction, is refused naming the flag (not a traceback from inside the workload)."""
+    from specjax.cli import main
+
+    target = _random_model(tmp_path / "t", 32, 1, 1)
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--model", str(target), "--quick", "--no-hf", "--no-profile", "--workloads", kind,
+              "--prompt-tokens", str(length), "--new-tokens", "9", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert f"--prompt-tokens {length} / --new-tokens 9 ({kind} workload): {message}" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_completion_windows_fit_in_files_of_any_length(monkeypatch):
+    """A held-out file exactly prompt_tokens + 64 tokens long has no start to draw a window
+    from: it is passed over (no empty random range), and a file one token longer gives the
+    window at its first token."""
+    from specjax import workloads
+
+    class Chars:  # one id per character
+        def __call__(self, text):
+            return {"input_ids": [ord(c) for c in text]}
+
+        def decode(self, ids):
+            return "".join(map(chr, ids))
+
+    exact = "abcd\n" * 13 + "abcd"  # 69 characters: 5 + 64
+    monkeypatch.setattr(workloads, "_heldout", lambda: [("exact.py", exact)])
+    with pytest.raises(workloads.PromptError, match="could only build 0 of 1 completion prompts of 5 tokens"):
+        workloads.completion_prompts(Chars(), 1, 5)
+    monkeypatch.setattr(workloads, "_heldout", lambda: [("longer.py", "x" + exact)])
+    assert [p.ids for p in workloads.completion_prompts(Chars(), 1, 5)] == [[ord(c) for c in "xabcd"]]
