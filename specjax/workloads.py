@@ -140,7 +140,7 @@ def completion_prompts(tokenizer: Any, n: int, prompt_tokens: int, seed: int = 0
     """n windows of held-out code (about prompt_tokens tokens, ending at a newline)."""
     rng = random.Random(seed)
     files = [(name, text) for name, text in _heldout() if len(text) > 8 * prompt_tokens]
-    if not files:
+    if n > 0 and not files:
         raise PromptError(f"no held-out file is long enough for completion prompts of {prompt_tokens} tokens")
     out: list[Prompt] = []
     for _ in range(50 * n):

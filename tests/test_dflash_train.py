@@ -3,6 +3,7 @@ forward, labels and loss weights, resumable data, and a short run that learns an
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -434,3 +435,20 @@ def test_draft_vocabulary_is_the_most_frequent_tokens(rng):
     ids = most_frequent(counts, 4, always=(25,))
     assert ids.tolist() == sorted(top + [25])
     assert coverage(counts, ids) == sum(want[chr(97 + i)] for i in top) / sum(want.values())
+
+
+def test_eval_prompts_no_held_out_file_can_give_are_refused_before_the_data(tmp_path, capsys):
+    """Corpus mode builds its held-out evaluation prompts before it generates the training
+    data: an --eval-prompt-len longer than every held-out file is refused naming the flags,
+    not after the data (a long job) was generated."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    np.save(shards / "train.npy", np.arange(4096, dtype=np.int32) % 100)
+    with pytest.raises(SystemExit) as exit_:
+        trainer.main(["--target", str(Path(__file__).parents[1] / "checkpoints" / "tiny-code"),
+                      "--shards", str(shards), "--out", str(tmp_path / "out"), "--run", str(tmp_path / "run"),
+                      "--eval-prompts", "1", "--eval-prompt-len", "100000"])
+    assert exit_.value.code == 2
+    assert ("python -m train.dflash: error: --eval-prompts 1 / --eval-prompt-len 100000: no held-out file is long "
+            "enough for completion prompts of 100000 tokens") in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()

@@ -77,7 +77,7 @@ from specjax.checkpoint import Params
 from specjax.config import Qwen3Config
 from specjax.dflash import DFlashConfig
 from specjax.results import Stats
-from specjax.workloads import completion_prompts, edit_prompts
+from specjax.workloads import PromptError, completion_prompts, edit_prompts
 from train import lm, prompts
 from train.data import load_shard
 from train.dflash_data import DataConfig, Sequences, generate_data
@@ -740,8 +740,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             if not (data_dir / "prompts.npy").is_file() and not shard.is_file():
                 p.error(f"{shard}: not found (build it with python -m train.tokenizer --shards, pass --shards, "
                         "or give your own prompts with --prompt-file / --prompt-dir)")
+            try:  # before the data: a length no held-out file can give is refused first
+                eval_prompts = heldout_prompts(tok, rf.eval_prompts, rf.eval_prompt_len)
+            except PromptError as e:
+                p.error(f"--eval-prompts {rf.eval_prompts} / --eval-prompt-len {rf.eval_prompt_len}: {e}")
             data = generate_data(target, dc, data_dir, load_shard(shard) if shard.is_file() else None)
-            eval_prompts = heldout_prompts(tok, rf.eval_prompts, rf.eval_prompt_len)
         if jax.process_index() == 0 and jax.process_count() > 1:
             data = share_data(data)
     except KeyboardInterrupt:
