@@ -61,24 +61,37 @@ def _choose_codegen() -> None:
 _choose_codegen()
 
 
+import numpy as np
+import pytest
+
+
 def xla_flags(*extra: str) -> str:
     """XLA_FLAGS for a child process: this run's flags (the codegen above) plus `extra`."""
     return " ".join([os.environ.get("XLA_FLAGS", ""), *extra]).strip()
+
+
+_moved: list[str] = []
 
 
 def pytest_collection_modifyitems(config, items):
     """Under the fast codegen, leave ONLY_UNDER_DEFAULTS to test_default_codegen.py."""
     if os.environ["SPECJAX_TEST_CODEGEN"] != "fast":
         return
+
     def theirs(item):
         return item.nodeid.split("/")[-1].split("[")[0] in ONLY_UNDER_DEFAULTS
+
     moved = [item for item in items if theirs(item)]
     if moved:
         config.hook.pytest_deselected(items=moved)
         items[:] = [item for item in items if not theirs(item)]
+        _moved[:] = [item.nodeid for item in moved]
 
-import numpy as np
-import pytest
+
+def pytest_terminal_summary(terminalreporter):
+    if _moved:
+        terminalreporter.write_line(f"{len(_moved)} deselected: they run under XLA's default codegen, in "
+                                    "test_default_codegen.py or with SPECJAX_TEST_CODEGEN=default")
 
 
 MAX_MAPPINGS = 2 ** 15  # half of Linux's default vm.max_map_count (65530)
