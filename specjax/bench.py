@@ -152,15 +152,15 @@ def _matrix_storage(model: Model) -> str:
 Row = Callable[[list[int], int], dict[str, Any]]
 
 
-def _llamacpp(cfg: BenchConfig, target: Model, log: Callable[[str], None]
+def _llamacpp(cfg: BenchConfig, target: Model, llama_cpp: Any, log: Callable[[str], None]
               ) -> tuple[list[tuple[str, Row]], dict[str, str | None], dict[str, Any]]:
     """The greedy rows `--llamacpp` adds to a cell, as (row key, run(ids, n)): llama.cpp's
     plain decoding and prompt lookup (each k) on each GGUF type, and specjax's plain
     decoding and lookup on the same weights where the loaded model's are others (f32
     widened at load, int8 quantized at load for q8_0). Also each type's tag of specjax's
     rows ("" for the loaded model's own, None where specjax has no such weights: a 16-bit
-    type the checkpoint is not stored in) and the run's llama.cpp facts."""
-    llama_cpp = llamacpp.require()  # (it and the converter were checked before the model was loaded)
+    type the checkpoint is not stored in) and the run's llama.cpp facts. `llama_cpp`: the
+    llama-cpp-python module (`llamacpp.require`)."""
     cache = cfg.gguf_cache or llamacpp.default_cache()
     files = {t: llamacpp.convert(cfg.llamacpp, cfg.model, t, cache, log) for t in cfg.gguf_types}
     n_threads = cfg.llamacpp_threads or llamacpp.threads()
@@ -483,12 +483,13 @@ def _profiled_step() -> Callable:
 
 def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the benchmark; returns (and writes) the results."""
+    llama_cpp = None
     if cfg.llamacpp is not None:  # the cheap checks first, before any model is loaded
         llamacpp.converter(cfg.llamacpp)
-        llamacpp.require()
+        llama_cpp = llamacpp.require()
     target = load(cfg.model, kv_dtype=cfg.kv_dtype)
     workloads = benchmark_prompts(target, cfg.workloads, cfg.prompts, cfg.prompt_tokens, cfg.new_tokens)
-    lc_rows, lc_tags, lc_info = _llamacpp(cfg, target, log) if cfg.llamacpp is not None else ([], {}, {})
+    lc_rows, lc_tags, lc_info = _llamacpp(cfg, target, llama_cpp, log) if llama_cpp is not None else ([], {}, {})
     methods = _methods(cfg, target)
     hf = _hf_runner(cfg)
     hf_methods = hf.methods if hf else []
