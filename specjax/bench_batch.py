@@ -21,9 +21,10 @@ from typing import Any, Callable
 import numpy as np
 
 from .engine import Engine, Speculation, max_len_for
+from .errors import PromptError
 from .model import Model, load
 from .sampling import Sampling
-from .workloads import WORKLOADS, PromptError, benchmark_prompts
+from .workloads import WORKLOADS, benchmark_prompts
 
 SAMPLINGS = {"greedy": Sampling(), "sampled": Sampling(temperature=0.6, top_k=20, top_p=0.95)}
 

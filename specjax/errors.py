@@ -17,6 +17,11 @@ class SpecjaxError(ValueError):
     the message names which."""
 
 
+class PromptError(SpecjaxError):
+    """Prompts that cannot be read or built: a prompt file, folder or line (the message
+    names it), or benchmark prompts of a length the held-out files cannot give."""
+
+
 def is_integer(value: Any) -> bool:
     """An int or NumPy integer, not a bool: what every integer argument takes."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

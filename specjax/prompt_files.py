@@ -26,13 +26,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import SpecjaxError
+from .errors import PromptError
 
 KEYS = ("prompt", "messages")
-
-
-class PromptError(SpecjaxError):
-    """A prompt file, folder or line that cannot be used; the message names it."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from . import edits
-from .errors import SpecjaxError
+from .errors import PromptError
 
 MAX_FILE_BYTES = 200_000
 HELDOUT_MODULUS = 20
@@ -88,10 +88,6 @@ def read_sources(files: Iterable[Path]) -> tuple[list[str], int]:
         except UnicodeDecodeError:
             skipped += 1
     return texts, skipped
-
-
-class PromptError(SpecjaxError):
-    """Benchmark prompts that cannot be built (too short a length, too few held-out files)."""
 
 
 @dataclasses.dataclass(frozen=True)

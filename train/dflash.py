@@ -76,8 +76,9 @@ from specjax import checkpoint, cpu_kernels, dflash, qwen3, sharding
 from specjax.checkpoint import Params
 from specjax.config import Qwen3Config
 from specjax.dflash import DFlashConfig
+from specjax.errors import PromptError
 from specjax.results import Stats
-from specjax.workloads import PromptError, completion_prompts, edit_prompts
+from specjax.workloads import completion_prompts, edit_prompts
 from train import lm, prompts
 from train.data import load_shard
 from train.dflash_data import DataConfig, Sequences, generate_data
