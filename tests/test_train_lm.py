@@ -225,3 +225,33 @@ def test_evaluate_refuses_a_model_without_tokenizer_before_loading(files, tmp_pa
         assert exit_.value.code == 2
         assert (f"python -m train.evaluate: error: --model {tmp_path}: no tokenizer files (tokenizer.json / "
                 "tokenizer_config.json)") in capsys.readouterr().err
+
+
+def test_evaluate_fits_a_short_context_or_names_the_part_that_cannot(tmp_path, capsys):
+    """python -m train.evaluate on a model whose context (256) is shorter than its default
+    held-out windows (512): the loss is over windows of the context, which the report
+    says; edit prompts (300 tokens) and sample prompts (200 + 64) that cannot fit are a
+    PromptError naming --edits / --samples instead of a generate error or a reply cut short
+    and scored as a wrong edit; a --dtype no model computes in is an argparse error."""
+    import shutil
+    from pathlib import Path
+
+    from conftest import hf_tiny
+    from specjax.errors import PromptError
+    from train import evaluate
+
+    shipped = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-code"
+    hf_tiny(tmp_path, vocab_size=8192, num_hidden_layers=1, max_position_embeddings=256)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(shipped / name, tmp_path / name)
+    evaluate.main(["--model", str(tmp_path), "--edits", "0", "--samples", "0"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["heldout_window_tokens"] == 256 and np.isfinite(report["heldout_nats_per_token"])
+    with pytest.raises(PromptError, match=r"--edits: an edit prompt of \d+ tokens .* context \(max_position_embed"
+                                          r"dings 256\); pass --edits 0"):
+        evaluate.main(["--model", str(tmp_path), "--edits", "1", "--samples", "0"])
+    with pytest.raises(PromptError, match=r"--samples: 200-token prompts and 64 new tokens .* pass --samples 0"):
+        evaluate.main(["--model", str(tmp_path), "--edits", "0", "--samples", "1"])
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.main(["--model", str(tmp_path), "--dtype", "float8"])
+    assert exit_.value.code == 2 and "argument --dtype: invalid choice: 'float8'" in capsys.readouterr().err

@@ -21,14 +21,19 @@ import optax
 import specjax
 from specjax import cpu_kernels, qwen3
 from specjax import edits
-from specjax.model import TOKENIZER_FILES
+from specjax.errors import PromptError
+from specjax.model import COMPUTE_DTYPES, TOKENIZER_FILES
 from specjax.workloads import Prompt, completion_prompts, edit_prompts
 from train import corpus
 from train.data import encode_documents
 
 
 def heldout_loss(model: specjax.Model, tokens: np.ndarray, seq: int = 512, windows: int = 48) -> float:
-    """Mean next-token cross-entropy (nats) over evenly spaced held-out windows."""
+    """Mean next-token cross-entropy (nats) over evenly spaced held-out windows of `seq`
+    tokens (at most the model's context)."""
+    if seq > model.config.max_position_embeddings:
+        raise ValueError(f"held-out windows of {seq} tokens exceed the model's context "
+                         f"({model.config.max_position_embeddings})")
     starts = np.linspace(0, len(tokens) - seq - 2, windows).astype(int)
     losses = []
     for s in starts:
@@ -87,11 +92,15 @@ def rename_accuracy(model: specjax.Model, n: int, prompt_tokens: int = 300, seed
     right, prefix, lines, similar = 0, 0.0, 0.0, 0.0
     hits = {"copy": [0, 0], "rename": [0, 0], "first": [0, 0]}
     for p in edit_prompts(tok, n, prompt_tokens, seed=seed):
+        want = len(tok(p.answer)["input_ids"])
+        room = model.config.max_position_embeddings - len(p.ids)
+        if room < want:  # a reply cut short would count as a wrong edit
+            raise PromptError(f"--edits: an edit prompt of {len(p.ids)} tokens and its {want}-token reply exceed the "
+                              f"model's context (max_position_embeddings {model.config.max_position_embeddings}); "
+                              "pass --edits 0")
         for kind, (h, total) in teacher_forced_hits(model, p).items():
             hits[kind][0] += h
             hits[kind][1] += total
-        want = len(tok(p.answer)["input_ids"])
-        room = model.config.max_position_embeddings - len(p.ids)
         out = specjax.generate(model, p.ids, max_new_tokens=min(want + 8, room), stop_ids=model.eos_ids,
                                speculative=specjax.NgramProposer(k=7))
         got = tok.decode(out.tokens)
@@ -105,10 +114,14 @@ def rename_accuracy(model: specjax.Model, n: int, prompt_tokens: int = 300, seed
             **{f"{kind}_token_accuracy": h / max(total, 1) for kind, (h, total) in hits.items()}}
 
 
-def continuations(model: specjax.Model, n: int, new_tokens: int = 64) -> list[dict]:
+def continuations(model: specjax.Model, n: int, new_tokens: int = 64, prompt_tokens: int = 200) -> list[dict]:
+    """n greedy continuations of held-out code windows of about `prompt_tokens` tokens."""
+    if n and prompt_tokens + new_tokens > model.config.max_position_embeddings:
+        raise PromptError(f"--samples: {prompt_tokens}-token prompts and {new_tokens} new tokens exceed the model's "
+                          f"context (max_position_embeddings {model.config.max_position_embeddings}); pass --samples 0")
     tok = model.tokenizer
     out = []
-    for p in completion_prompts(tok, n, 200, seed=2):
+    for p in completion_prompts(tok, n, prompt_tokens, seed=2):
         res = specjax.generate(model, p.ids, max_new_tokens=new_tokens, stop_ids=model.eos_ids)
         out.append({"file": p.source, "prompt_tail": tok.decode(p.ids[-40:]), "continuation": tok.decode(res.tokens)})
     return out
@@ -120,7 +133,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--edits", type=int, default=20)
     ap.add_argument("--edit-seed", type=int, default=1, help="which held-out edits (1: the model card's)")
     ap.add_argument("--samples", type=int, default=3)
-    ap.add_argument("--dtype", help="load with this dtype (default: specjax.load's; int8: the quantized model)")
+    ap.add_argument("--dtype", choices=[d.name for d in COMPUTE_DTYPES],
+                    help="load with this dtype (default: specjax.load's; int8: the quantized model)")
     args = ap.parse_args(argv)
     for flag, value in (("--edits", args.edits), ("--samples", args.samples)):
         if value < 0:
@@ -130,12 +144,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                  "edits and samples need one")
     model = specjax.load(args.model, dtype=args.dtype)
     tokens, _, stats = encode_documents(model.tokenizer.backend_tokenizer, corpus.heldout_documents(), "held-out files")
-    loss = heldout_loss(model, tokens)
+    window = min(512, model.config.max_position_embeddings)
+    loss = heldout_loss(model, tokens, window)
     bytes_per_token = stats["bytes"] / stats["tokens"]
     report = {
         "model": str(args.model),
         "dtype": args.dtype or "default",
         "parameters": int(sum(np.prod(x.shape) for x in jax.tree.leaves(cpu_kernels.unpack_tree(model.params)))),
+        "heldout_window_tokens": window,
         "heldout_nats_per_token": loss,
         "heldout_bits_per_byte": loss / math.log(2) / bytes_per_token,
     }
