@@ -139,6 +139,8 @@ def test_matmul_rows_get_the_same_bits_alone_or_together(rng):
             np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul(x[i, t], w)), together[i, t])
     many = np.asarray(cpu_kernels.matmul(x.reshape(24, 256), w))  # more rows than a pass holds (4 to 8)
     np.testing.assert_array_equal(many, together.reshape(24, 300))
+    for m in (2, 6, 7, 8, 9, 17):  # one pass (7 and 8 keep accumulators on the stack), or passes of 5, 6
+        np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul(x.reshape(24, 256)[:m], w)), many[:m])
 
 
 def test_matmul_derivatives_are_the_dots_in_both_modes(rng):

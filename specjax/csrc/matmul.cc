@@ -48,10 +48,12 @@ constexpr int64_t kBlock = 32;  // columns per int8 scale (llama.cpp's q8_0 bloc
 
 #if defined(__AVX512F__)
 // A line of 16 outputs in one 512-bit register. Rows per pass: a whole panel's four
-// accumulators a row, plus its four lines and a broadcast, within AVX-512's 32 vector
-// registers.
+// accumulators a row, plus its four lines and a broadcast, fit AVX-512's 32 vector
+// registers up to 6 rows; at 7 and 8 rows GCC keeps a few accumulators on the stack (in
+// L1), which still beats two passes over the panel (8-20 % at 7 and 8 rows, float32,
+// bfloat16 and int8 panels: docs/performance.md, section 3).
 typedef float Line __attribute__((vector_size(64)));
-constexpr int kRows = 6;
+constexpr int kRows = 8;
 constexpr int64_t kPanel = 64;  // a unit's four lines side by side: one stream
 
 inline Line LoadLine(const float* p) { return (Line)_mm512_loadu_ps(p); }
