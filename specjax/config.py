@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -51,23 +52,96 @@ def parse_eos(eos: Any, source: str) -> int | tuple[int, ...] | None:
     raise ConfigError(f"{source}: eos_token_id must be an int, a list of ints or null, got {eos!r}")
 
 
-def _rope_theta(raw: dict[str, Any], source: str) -> float:
-    """The RoPE base. Only plain (unscaled) RoPE is run, so a scaling in `rope_scaling` or
-    `rope_parameters` is refused. As in transformers, the rope dict in use is `rope_scaling`
-    when set, else `rope_parameters`; its rope_theta wins over the top-level one."""
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE scaling of config.json (`rope_scaling`, or `rope_parameters` in transformers
+    5), as transformers computes it (`transformers.modeling_rope_utils`): "linear" divides
+    every frequency by `factor`; "yarn" (Peng et al. 2023, arXiv:2309.00071; what Qwen3's
+    model cards add for contexts past 32k) divides the low frequencies by `factor`, keeps
+    the high ones, ramps between the dimensions that turn `beta_fast` and `beta_slow`
+    times over `original_max_position_embeddings` positions, and scales cos and sin by
+    `attention_factor`. Both are fixed at load (unlike "dynamic", which changes with the
+    sequence length and is refused)."""
+
+    rope_type: str  # "linear" or "yarn"
+    factor: float
+    original_max_position_embeddings: int = 0  # yarn
+    attention_factor: float = 1.0              # yarn: cos and sin are scaled by it
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True                      # yarn: the ramp's ends rounded outwards
+
+    def to_hf(self) -> dict[str, Any]:
+        """The rope dict's scaling keys (transformers reads them back to the same frequencies)."""
+        if self.rope_type == "linear":
+            return {"rope_type": "linear", "factor": self.factor}
+        return {"rope_type": "yarn", "factor": self.factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings,
+                "attention_factor": self.attention_factor, "beta_fast": self.beta_fast, "beta_slow": self.beta_slow,
+                "truncate": self.truncate}
+
+
+ROPE_TYPES = ("default", "linear", "yarn")
+
+
+def _number(rope: dict[str, Any], key: str, default: Any, where: str, positive: bool = True) -> float:
+    """A numeric field of a rope dict (missing or null: `default`), else a ConfigError."""
+    value = rope.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            positive and value <= 0):
+        raise ConfigError(f"{where} {key} must be a {'positive ' if positive else ''}number, got {value!r}")
+    return float(value)
+
+
+def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+    """The RoPE base and scaling. As in transformers, the rope dict in use is `rope_scaling`
+    when set, else `rope_parameters`; its rope_theta wins over the top-level one. Types
+    other than default, linear and yarn are refused (dynamic, llama3, longrope: specjax
+    does not run them)."""
     dicts = {key: raw.get(key) for key in ("rope_scaling", "rope_parameters") if raw.get(key) is not None}
     for key, rope in dicts.items():
         if not isinstance(rope, dict):
             raise ConfigError(f"{source}: {key} must be an object or null, got {rope!r}")
         kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind not in (None, "default"):
-            raise ConfigError(f"{source}: {key} rope_type {kind!r} is not supported (only 'default')")
-    in_use = next((rope for rope in dicts.values() if rope), {})
+        if kind not in (None, *ROPE_TYPES):
+            raise ConfigError(f"{source}: {key} rope_type {kind!r} is not supported (only {', '.join(ROPE_TYPES)})")
+    key, in_use = next(((key, rope) for key, rope in dicts.items() if rope), ("rope_parameters", {}))
     theta = in_use.get("rope_theta", raw.get("rope_theta"))
     theta = HF_DEFAULTS["rope_theta"] if theta is None else theta
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
-    return float(theta)
+    kind = in_use.get("rope_type", in_use.get("type", "default"))
+    if kind in (None, "default"):
+        return float(theta), None
+    where = f"{source}: {key}"
+    if kind == "linear":
+        if "factor" not in in_use:
+            raise ConfigError(f"{where}: rope_type 'linear' needs a factor")
+        return float(theta), RopeScaling("linear", _number(in_use, "factor", None, where))
+    # yarn, with transformers' defaults: the pretraining length is the top-level
+    # original_max_position_embeddings or max_position_embeddings, the factor their ratio
+    # to max_position_embeddings, the attention factor 0.1 ln(factor) + 1 (or DeepSeek's
+    # ratio of two such terms with mscale and mscale_all_dim)
+    max_pos = typed(raw.get("max_position_embeddings", HF_DEFAULTS["max_position_embeddings"]), int,
+                    "max_position_embeddings", source)
+    original = in_use.get("original_max_position_embeddings", raw.get("original_max_position_embeddings", max_pos))
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise ConfigError(f"{where} original_max_position_embeddings must be a positive integer, got {original!r}")
+    factor = _number(in_use, "factor", max_pos / original, where)
+    mscale = lambda m: 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0  # noqa: E731
+    attention = _number(in_use, "attention_factor", None, where)
+    if attention is None:
+        m, m_all = (_number(in_use, name, 0.0, where, positive=False) for name in ("mscale", "mscale_all_dim"))
+        attention = mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
+    truncate = in_use.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(f"{where} truncate must be true or false, got {truncate!r}")
+    # transformers treats 0 / null betas as their defaults (`or 32`, `or 1`)
+    beta_fast = _number(in_use, "beta_fast", 0.0, where, positive=False) or 32.0
+    beta_slow = _number(in_use, "beta_slow", 0.0, where, positive=False) or 1.0
+    return float(theta), RopeScaling("yarn", factor, original, attention, beta_fast, beta_slow, truncate)
 
 
 def _defaults_named(message: str, raw: dict[str, Any]) -> str:
@@ -90,6 +164,7 @@ class Qwen3Config:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = True
     attention_bias: bool = False
     max_position_embeddings: int = 40960
@@ -151,6 +226,7 @@ class Qwen3Config:
         heads = get("num_attention_heads", int)
         # null KV heads means one per query head, as in transformers
         kv_heads = heads if raw.get("num_key_value_heads", 0) is None else get("num_key_value_heads", int)
+        theta, scaling = _rope(raw, source)
         fields = dict(
             vocab_size=get("vocab_size", int),
             hidden_size=get("hidden_size", int),
@@ -160,7 +236,8 @@ class Qwen3Config:
             num_key_value_heads=kv_heads,
             head_dim=get("head_dim", int),
             rms_norm_eps=get("rms_norm_eps", float),
-            rope_theta=_rope_theta(raw, source),
+            rope_theta=theta,
+            rope_scaling=scaling,
             tie_word_embeddings=get("tie_word_embeddings", bool),
             attention_bias=get("attention_bias", bool),
             max_position_embeddings=get("max_position_embeddings", int),
@@ -192,8 +269,9 @@ class Qwen3Config:
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                **({} if self.rope_scaling is None else self.rope_scaling.to_hf())},
+            "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.to_hf(),
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,

@@ -48,7 +48,7 @@ from flax import struct
 
 from . import checkpoint, cpu_kernels
 from .checkpoint import LAYERS, CheckpointError, Params
-from .config import ConfigError, Qwen3Config, read_json, typed
+from .config import ConfigError, Qwen3Config, RopeScaling, read_json, typed
 from .model import Model, reading
 from .qwen3 import attend_masked, linear, mlp, rms_norm, rope, unembed
 
@@ -111,6 +111,7 @@ class DFlashConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -127,7 +128,8 @@ class DFlashConfig:
             vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta, max_position_embeddings=self.max_position_embeddings)
+            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> "DFlashConfig":
@@ -170,7 +172,8 @@ class DFlashConfig:
             num_target_layers=n_target,
             mask_token_id=typed(get("mask_token_id"), int, "mask_token_id", source),
             block_size=typed(get("block_size", 16), int, "block_size", source), rms_norm_eps=base.rms_norm_eps,
-            rope_theta=base.rope_theta, max_position_embeddings=base.max_position_embeddings)
+            rope_theta=base.rope_theta, rope_scaling=base.rope_scaling,
+            max_position_embeddings=base.max_position_embeddings)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "DFlashConfig":
@@ -271,7 +274,7 @@ def config_for(target_cfg: Qwen3Config, num_layers: int = 5, block_size: int = 1
         head_dim=target_cfg.head_dim, target_layer_ids=tuple(ids), num_target_layers=target_cfg.num_hidden_layers,
         mask_token_id=target_cfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
         block_size=block_size, rms_norm_eps=target_cfg.rms_norm_eps, rope_theta=target_cfg.rope_theta,
-        max_position_embeddings=target_cfg.max_position_embeddings)
+        rope_scaling=target_cfg.rope_scaling, max_position_embeddings=target_cfg.max_position_embeddings)
     check_fits(cfg, target_cfg, "dflash.config_for")
     return cfg
 
@@ -458,7 +461,7 @@ def context_rows(params: Params, cfg: DFlashConfig, x: jax.Array, positions: jax
         # c feeds every layer's k/v projection directly (no input_layernorm on the context)
         k, v = jnp.split(linear(c, cpu_kernels.rows_from(lp["self_attn.qkv_proj.weight"], nh * hd)), 2, axis=-1)
         k = rms_norm(k.reshape(r, t, nk, hd), lp["self_attn.k_norm.weight"], eps)
-        out.append((rope(k, positions, cfg.rope_theta), v.reshape(r, t, nk, hd)))
+        out.append((rope(k, positions, cfg.rope_theta, cfg.rope_scaling), v.reshape(r, t, nk, hd)))
     return out
 
 
@@ -483,8 +486,10 @@ def _block_pass(params: Params, cfg: DFlashConfig, x: jax.Array, q_pos: jax.Arra
     for i, lp in enumerate(_layer_trees(params)):
         h = rms_norm(x, lp["input_layernorm.weight"], eps)
         q, bk, bv = _split_qkv(cfg, linear(h, lp["self_attn.qkv_proj.weight"]))
-        q = rope(rms_norm(q.reshape(1, q_len, nh, hd), lp["self_attn.q_norm.weight"], eps), pos, cfg.rope_theta)
-        bk = rope(rms_norm(bk.reshape(1, q_len, nk, hd), lp["self_attn.k_norm.weight"], eps), pos, cfg.rope_theta)
+        q = rope(rms_norm(q.reshape(1, q_len, nh, hd), lp["self_attn.q_norm.weight"], eps), pos, cfg.rope_theta,
+                 cfg.rope_scaling)
+        bk = rope(rms_norm(bk.reshape(1, q_len, nk, hd), lp["self_attn.k_norm.weight"], eps), pos, cfg.rope_theta,
+                  cfg.rope_scaling)
         keys = jnp.concatenate([ctx_k[i][None].astype(dtype), bk.transpose(0, 2, 1, 3)], axis=2)  # [1, K, S+Q, E]
         values = jnp.concatenate([ctx_v[i][None].astype(dtype), bv.reshape(1, q_len, nk, hd).transpose(0, 2, 1, 3)],
                                  axis=2)

@@ -11,6 +11,7 @@ unstacked (inference) one.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 from . import cpu_kernels
 from . import kv as kvlib
 from .checkpoint import LAYERS, Params
-from .config import Qwen3Config
+from .config import Qwen3Config, RopeScaling
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -45,13 +46,44 @@ def mlp(lp: Params, x: jax.Array, eps: float) -> jax.Array:
     return x + linear(jax.nn.silu(gate) * up, lp["mlp.down_proj.weight"])
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding (rotate-half convention) of x [B, T, N, E] at positions [B, T]."""
-    e = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
+def rope_frequencies(e: int, theta: float, scaling: RopeScaling | None = None) -> tuple[jax.Array, float]:
+    """The inverse frequencies [E/2] (float32) of a rotary embedding over E dimensions, and
+    the factor cos and sin are scaled by (`config.RopeScaling`: transformers' formulas,
+    float32 in the same order)."""
+    exponents = jnp.arange(0, e, 2, dtype=jnp.float32) / e
+    if scaling is None:
+        return 1.0 / (theta ** exponents), 1.0
+    if scaling.rope_type == "linear":
+        return 1.0 / (theta ** exponents) / scaling.factor, 1.0
+    # yarn: dimension d turns original / (2 pi theta^(d/E)) times over the pretraining
+    # length; the ramp runs from the dimension turning beta_fast times to that turning
+    # beta_slow times (indices into the E/2 frequencies, clipped to [0, E - 1] as
+    # transformers clips them)
+    turning = lambda rotations: (e * math.log(scaling.original_max_position_embeddings  # noqa: E731
+                                              / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+    low, high = turning(scaling.beta_fast), turning(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, e - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(e // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp  # the share of each frequency left unscaled (extrapolated)
+    pos_freqs = theta ** exponents
+    inv_freq = 1.0 / (scaling.factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
+    return inv_freq, scaling.attention_factor
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+    """Rotary embedding (rotate-half convention) of x [B, T, N, E] at positions [B, T],
+    with a config's RoPE scaling if it has one."""
+    inv_freq, attention = rope_frequencies(x.shape[-1], theta, scaling)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if attention != 1.0:
+        cos, sin = cos * attention, sin * attention
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     x1, x2 = jnp.split(x, 2, axis=-1)
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
@@ -137,9 +169,9 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
     qkv = linear(h, lp["self_attn.qkv_proj.weight"], lp.get("self_attn.qkv_proj.bias"))
     q, k, v = jnp.split(qkv, [nh * hd, (nh + nk) * hd], axis=-1)
     q = rope(rms_norm(q.reshape(b, t, nh, hd), lp["self_attn.q_norm.weight"], cfg.rms_norm_eps),
-             positions, cfg.rope_theta)
+             positions, cfg.rope_theta, cfg.rope_scaling)
     k = rope(rms_norm(k.reshape(b, t, nk, hd), lp["self_attn.k_norm.weight"], cfg.rms_norm_eps),
-             positions, cfg.rope_theta)
+             positions, cfg.rope_theta, cfg.rope_scaling)
     v = v.reshape(b, t, nk, hd)
     if cache is None:
         attn = attend_causal(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions)

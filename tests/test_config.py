@@ -42,11 +42,65 @@ def test_terse_config_reads_as_transformers_reads_it(tmp_path, case):
         ref.attention_bias, ref.max_position_embeddings)
 
 
+# RoPE scalings as config.json files write them: transformers 4's rope_scaling (with "type"
+# or "rope_type"), transformers 5's rope_parameters, fields left to their defaults
+SCALED = {
+    "yarn-qwen3-card": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+                        "max_position_embeddings": 128},
+    "yarn-legacy-type": {"rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 100}},
+    "yarn-parameters-betas": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 500.0, "factor": 8.0,
+                                                  "original_max_position_embeddings": 64, "beta_fast": 8,
+                                                  "beta_slow": 2, "truncate": False}},
+    "yarn-mscale-pair": {"rope_scaling": {"rope_type": "yarn", "factor": 3.0, "original_max_position_embeddings": 40,
+                                          "mscale": 1.0, "mscale_all_dim": 0.5}},
+    "yarn-attention-factor": {"rope_scaling": {"rope_type": "yarn", "factor": 3.0, "attention_factor": 0.75,
+                                               "original_max_position_embeddings": 40}},
+    "yarn-implicit-factor": {"rope_parameters": {"rope_type": "yarn", "factor": None},
+                             "original_max_position_embeddings": 1024, "max_position_embeddings": 4096},
+    "linear": {"rope_scaling": {"rope_type": "linear", "factor": 2.5}, "rope_theta": 5000.0},
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCALED))
+def test_rope_scaling_gives_transformers_frequencies(tmp_path, case):
+    """A scaled RoPE's inverse frequencies and cos / sin factor equal what transformers
+    computes from the same config.json; saving writes a config both read back the same."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from specjax import qwen3
+
+    def frequencies(folder):
+        ref = AutoConfig.from_pretrained(folder)
+        want, factor = ROPE_INIT_FUNCTIONS[ref.rope_parameters["rope_type"]](ref, None)
+        return want.numpy(), factor
+
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "head_dim": 32, **SCALED[case]}))
+    ours = Qwen3Config.from_file(tmp_path / "config.json")
+    assert ours.rope_scaling is not None and ours.rope_scaling.rope_type == case.split("-")[0]
+    want, factor = frequencies(tmp_path)
+    got, got_factor = qwen3.rope_frequencies(32, ours.rope_theta, ours.rope_scaling)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=3e-7)
+    assert got_factor == pytest.approx(factor, rel=1e-12)
+    assert not np.allclose(want, np.asarray(qwen3.rope_frequencies(32, ours.rope_theta)[0]))  # it does scale
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "config.json").write_text(json.dumps(ours.to_hf()))
+    assert Qwen3Config.from_file(saved / "config.json") == ours
+    np.testing.assert_allclose(frequencies(saved)[0], want, rtol=3e-7)
+    assert frequencies(saved)[1] == pytest.approx(factor, rel=1e-12)
+
+
 @pytest.mark.parametrize("extra, match", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": {"rope_type": "default"}},
-     "rope_scaling rope_type 'yarn'"),
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_parameters rope_type 'linear'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}, "rope_parameters": {"rope_type": "default"}},
+     "rope_scaling rope_type 'longrope' is not supported"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 2.0}}, "rope_parameters rope_type 'llama3'"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling rope_type 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": "4"}}, "rope_scaling factor must be a positive number"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0}},
+     "original_max_position_embeddings must be a positive integer, got 0"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": "no"}}, "truncate must be true or false"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "rope_type 'linear' needs a factor"),
     ({"rope_scaling": [1, 2]}, "rope_scaling must be an object"),
     ({"rope_theta": None, "rope_parameters": {"rope_theta": "big"}}, "rope_theta must be a positive number"),
     ({"rms_norm_eps": None}, "field rms_norm_eps must be float"),

@@ -80,11 +80,26 @@ def _np_rms(x, w, eps):
     return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _np_rope(x, pos, theta):
-    """x [T, N, E] rotated (rotate-half) at positions [T]."""
-    e = x.shape[-1]
-    freqs = pos[:, None] * theta ** (-np.arange(0, e, 2) / e)
-    cos, sin = [np.concatenate([g(freqs)] * 2, axis=-1)[:, None] for g in (np.cos, np.sin)]
+def _np_frequencies(raw):
+    """(inverse frequencies [E/2], cos / sin factor) of a config's RoPE: NumPy for plain
+    RoPE, transformers' own functions for a scaled one."""
+    e, theta = raw["head_dim"], raw["rope_theta"]
+    if not raw.get("rope_scaling"):
+        return theta ** (-np.arange(0, e, 2) / e), 1.0
+    from transformers import Qwen3Config as HFConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    ref = HFConfig(head_dim=e, rope_theta=theta, rope_scaling=dict(raw["rope_scaling"]),
+                   max_position_embeddings=raw["max_position_embeddings"])
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[ref.rope_parameters["rope_type"]](ref, None)
+    return inv_freq.double().numpy(), factor
+
+
+def _np_rope(x, pos, frequencies):
+    """x [T, N, E] rotated (rotate-half) at positions [T] (`_np_frequencies`)."""
+    inv_freq, factor = frequencies
+    freqs = pos[:, None] * inv_freq
+    cos, sin = [factor * np.concatenate([g(freqs)] * 2, axis=-1)[:, None] for g in (np.cos, np.sin)]
     x1, x2 = np.split(x, 2, axis=-1)
     return x * cos + np.concatenate([-x2, x1], axis=-1) * sin
 
@@ -92,7 +107,7 @@ def _np_rope(x, pos, theta):
 def _np_block_logits(t, raw, features, last, embed):
     """Logits [B-1, V] of the block after context features [n, C, D] (positions 0 .. C-1),
     recomputing K/V of the whole context: no cache."""
-    eps, theta, b = raw["rms_norm_eps"], raw["rope_theta"], raw["block_size"]
+    eps, rotary, b = raw["rms_norm_eps"], _np_frequencies(raw), raw["block_size"]
     nh, nk, e = raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]
     n, c_len, d = features.shape
     c = _np_rms(features.transpose(1, 0, 2).reshape(c_len, n * d) @ t["fc.weight"].T, t["hidden_norm.weight"], eps)
@@ -103,10 +118,10 @@ def _np_block_logits(t, raw, features, last, embed):
         w = {k[len(f"layers.{i}."):]: v for k, v in t.items() if k.startswith(f"layers.{i}.")}
         u = _np_rms(x, w["input_layernorm.weight"], eps)
         q = _np_rope(_np_rms((u @ w["self_attn.q_proj.weight"].T).reshape(b, nh, e), w["self_attn.q_norm.weight"], eps),
-                     q_pos, theta)
+                     q_pos, rotary)
         both = np.concatenate([c, u])  # context rows are not layer-normed
         k = _np_rope(_np_rms((both @ w["self_attn.k_proj.weight"].T).reshape(-1, nk, e),
-                             w["self_attn.k_norm.weight"], eps), k_pos, theta)
+                             w["self_attn.k_norm.weight"], eps), k_pos, rotary)
         v = (both @ w["self_attn.v_proj.weight"].T).reshape(-1, nk, e)
         out = np.zeros((b, nh, e))
         for h in range(nh):
@@ -251,11 +266,18 @@ def test_proposer_errors(tiny, handmade, drafter16):
 
 # -------------------------------------------------------------------------- forward
 
-def test_forward_matches_numpy_through_appends(tiny, handmade, rng):
-    """Cached context (several appends, stale rows past each count) == full recompute."""
+@pytest.mark.parametrize("rope", ["default", "yarn"])
+def test_forward_matches_numpy_through_appends(tiny, handmade, rng, tmp_path, rope):
+    """Cached context (several appends, stale rows past each count) == full recompute; with
+    a YaRN RoPE (pretraining length 8, so its ramp spans the frequencies) too."""
     ref, _, target = tiny
     folder, t = handmade
+    raw = HANDMADE
+    if rope == "yarn":
+        raw = {**HANDMADE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}}
+        folder = _write(tmp_path, raw, _handmade_tensors(HANDMADE, np.random.default_rng(0)))  # the fixture's weights
     d = load_dflash(folder, target)
+    assert (d.config.rope_scaling is None) == (rope == "default")
     embed = ref.model.embed_tokens.weight.detach().numpy().astype(np.float64)
     feats = rng.standard_normal((2, 13, 64)) * 3
     cache = init_cache(d.config, 32)
@@ -268,7 +290,7 @@ def test_forward_matches_numpy_through_appends(tiny, handmade, rng):
             length += count
         assert int(cache.length) == length
         last = int(rng.integers(101))
-        want = _np_block_logits(t, HANDMADE, feats[:, :length], last, embed)
+        want = _np_block_logits(t, raw, feats[:, :length], last, embed)
         got = np.asarray(draft_block(d.params, d.config, cache, target.params, target.config, last, length, k=7))
         assert got.shape == (7, 101) and np.abs(got - want).max() <= 1e-4
     short = draft_block(d.params, d.config, cache, target.params, target.config, last, length, k=3)

@@ -15,6 +15,10 @@ CASES = {
                               tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5000.0}),
     "mha-headdim-eq": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16),
     "attention-bias": dict(attention_bias=True, num_key_value_heads=1),
+    # scaled RoPE (a short pretraining length, so YaRN's ramp falls inside the 12 frequencies)
+    "rope-yarn": dict(head_dim=24, max_position_embeddings=64, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}),
+    "rope-linear": dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 3.0}),
 }
 
 
@@ -117,3 +121,20 @@ def test_shipped_dflash_drafter_fits_the_target():
     plain = specjax.generate(target, ids, max_new_tokens=24)
     spec = specjax.generate(target, ids, max_new_tokens=24, speculative=specjax.DFlashProposer(drafter))
     assert spec.tokens == plain.tokens
+
+
+def test_yarn_model_decodes_as_transformers_and_speculates_exactly(tmp_path, rng):
+    """Through the engine (prefill, paged cache, decode and verify steps at positions past
+    the pretraining length the YaRN ramp is set by): greedy tokens equal transformers'
+    generate, and prompt lookup's equal plain decoding's."""
+    ref = hf_tiny(tmp_path, seed=int(rng.integers(1 << 30)), **CASES["rope-yarn"])
+    model = specjax.load(tmp_path)
+    ids = np.tile(rng.integers(0, model.config.vocab_size, 6), 4)  # repeats: lookup has drafts
+    with torch.no_grad():
+        want = ref.generate(torch.tensor(ids[None]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            max_new_tokens=36, min_new_tokens=36, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(ids):].tolist()
+    plain = specjax.generate(model, ids, max_new_tokens=36, stop_ids=())
+    assert plain.tokens == want
+    spec = specjax.generate(model, ids, max_new_tokens=36, stop_ids=(), speculative=specjax.NgramProposer(k=4))
+    assert spec.tokens == want and spec.stats.accepted > 0
