@@ -118,7 +118,7 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     where = f"{source}: {key}"
     if kind == "linear":
         if "factor" not in in_use:
-            raise ConfigError(f"{where}: rope_type 'linear' needs a factor")
+            raise ConfigError(f"{where} rope_type 'linear' needs a factor")
         return float(theta), RopeScaling("linear", _number(in_use, "factor", None, where))
     # yarn, with transformers' defaults: the pretraining length is the top-level
     # original_max_position_embeddings or max_position_embeddings, the factor their ratio
