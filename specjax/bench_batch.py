@@ -21,7 +21,6 @@ from typing import Any, Callable
 import numpy as np
 
 from .engine import Engine, Speculation, max_len_for
-from .errors import PromptError
 from .model import Model, load
 from .sampling import Sampling
 from .workloads import WORKLOADS, benchmark_prompts
@@ -112,8 +111,6 @@ def run(cfg: ConcurrencyConfig, log: Callable[[str], None] = print) -> dict[str,
     from .bench import _jsonable, _machine
 
     target = load(cfg.model, kv_dtype=cfg.kv_dtype)
-    if target.tokenizer is None:
-        raise PromptError(f"{cfg.model}: the benchmark's prompts are text; it needs a tokenizer")
     pools = benchmark_prompts(target, cfg.workloads, max(cfg.levels), cfg.prompt_tokens, cfg.new_tokens)
     hf = _hf_runner(cfg)
     methods = _methods(cfg)

@@ -169,12 +169,14 @@ MAKERS = {"edit": edit_prompts, "complete": completion_prompts, "novel": novel_p
 WORKLOADS = tuple(MAKERS)
 
 
-def _maker(tokenizer: Any, kind: str):
+def _maker(tokenizer: Any, kind: str, folder: Path | None = None):
+    """The prompt maker of workload `kind`, for a model with this tokenizer (from `folder`,
+    named in the error when it has none)."""
     if kind not in MAKERS:
         raise PromptError(f"unknown workload {kind!r}; choose from {sorted(MAKERS)}")
     if tokenizer is None:
-        raise PromptError("the benchmark's prompts are text: the model folder needs a tokenizer "
-                          "(tokenizer.json or tokenizer_config.json)")
+        raise PromptError(f"{'' if folder is None else f'{folder}: '}the benchmark's prompts are text: the model "
+                          "folder needs a tokenizer (tokenizer.json or tokenizer_config.json)")
     return MAKERS[kind]
 
 
@@ -194,7 +196,7 @@ def benchmark_prompts(model: Any, kinds: Iterable[str], n: int, prompt_tokens: i
 
     out = {}
     for kind in kinds:
-        make = _maker(model.tokenizer, kind)
+        make = _maker(model.tokenizer, kind, model.path)
         try:  # a length the workload cannot build or the model cannot take: the flags' fault
             out[kind] = make(model.tokenizer, n, prompt_tokens)
             for p in out[kind]:

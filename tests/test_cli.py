@@ -50,9 +50,11 @@ def test_prompt_ids_for_a_folder_without_tokenizer(tmp_path, capsys, rng):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "no tokenizer files" in err and "--prompt-ids" in err and str(tmp_path) in err
-    with pytest.raises(SystemExit) as e:  # the benchmark's prompts are text
-        main(["bench", "--model", str(tmp_path), "--quick", "--no-hf", "--out", str(tmp_path / "bench")])
-    assert e.value.code == 2 and "needs a tokenizer" in capsys.readouterr().err
+    for extra in ([], ["--concurrency", "1,2"]):  # the benchmark's prompts are text
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "--model", str(tmp_path), "--quick", "--no-hf", "--out", str(tmp_path / "bench"), *extra])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"{tmp_path}: the benchmark's prompts are text" in err and "needs a tokenizer" in err
 
 
 def test_broken_tokenizer_exits_2_naming_it(tmp_path, capsys):
