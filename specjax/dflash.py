@@ -339,16 +339,16 @@ def init_markov(vocab_size: int, rank: int, key: jax.Array, std: float = 0.02) -
             "w2": jnp.zeros((vocab_size, rank), jnp.float32)}
 
 
-def markov_bias(markov: Params, prev: jax.Array, ids: jax.Array | None = None) -> jax.Array:
+def markov_bias(markov: Params, prev: jax.Array) -> jax.Array:
     """The Markov head's logit bias [..., N] (float32) of block rows whose previous token is
-    `prev` [...]: w1[prev] . w2[ids] (ids: a draft vocabulary's, else all V tokens).
+    `prev` [...]: w1[prev] . w2 (w2's N rows: every token, or a draft vocabulary's rows as
+    `drafters` passes them).
 
     DSpark (arXiv:2607.05147): the block pass's logits are unary, each row's independent
     of the tokens chosen at the others; a low-rank bigram term lets row k agree with the
     token actually chosen at row k-1, at the cost of an [r, N] product per row."""
     e = markov["w1"].astype(jnp.float32)[prev]  # [..., r]
-    w2 = markov["w2"].astype(jnp.float32)
-    return jnp.einsum("...r,nr->...n", e, w2 if ids is None else w2[ids])
+    return jnp.einsum("...r,nr->...n", e, markov["w2"].astype(jnp.float32))
 
 
 def read_markov(path: Path, vocab_size: int) -> Params:
