@@ -678,8 +678,12 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], *, max_new_to
     options, per_request = engine_options(speculative)
     longest = max(len(p) + (int(m) if is_integer(m) else 0) for p, m in zip(prompts, news))
     engine = Engine(model, **options, max_batch=min(n, max_batch), max_len=max_len_for(model, longest))
-    reqs = [engine.submit(p, max_new_tokens=m, sampling=s, seed=sd, stop_ids=st, **per_request)
-            for p, m, s, sd, st in zip(prompts, news, settings, seeds, stops)]
+    reqs = []
+    for i, (p, m, s, sd, st) in enumerate(zip(prompts, news, settings, seeds, stops)):
+        try:
+            reqs.append(engine.submit(p, max_new_tokens=m, sampling=s, seed=sd, stop_ids=st, **per_request))
+        except (GenerationError, PoolError) as e:  # which prompt of the batch
+            raise type(e)(f"prompts[{i}]: {e}") from None
     engine.run()
     return [r.result() for r in reqs]
 

@@ -117,7 +117,13 @@ def token_ids(ids: Any) -> np.ndarray:
     if isinstance(ids, (str, bytes)):
         raise GenerationError("prompt must be token ids, got text; tokenize it first "
                               "(e.g. model.tokenizer(text)['input_ids'])")
-    arr = np.asarray(ids)
+    try:
+        arr = np.asarray(ids)
+    except ValueError:  # ragged: ids mixed with lists or strings
+        arr = None
+    if arr is None or arr.dtype == object:
+        raise GenerationError(f"prompt must be token ids (a list of integers) or, for a batch, a list of such "
+                              f"lists; got {ids!r:.80}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise GenerationError(f"prompt token ids must be integers, got dtype {arr.dtype}")
     return arr.astype(np.int64)

@@ -12,6 +12,7 @@ import specjax
 from specjax.checkpoint import CheckpointError
 from specjax.config import ConfigError
 from specjax.engine import Engine
+from specjax.errors import SpecjaxError
 from specjax.model import DtypeError
 from specjax.results import GenerationError
 from conftest import hf_tiny
@@ -93,10 +94,22 @@ def test_prompt_longer_than_capacity(tiny):
 
 
 @pytest.mark.parametrize("ids,match", [([], "non-empty"), ([5, 101], r"\[0, 101\)"), ([-1], r"\[0, 101\)"),
-                                       ("hello", "got text"), ([1.5, 2.0], "must be integers")])
+                                       ("hello", "got text"), ([1.5, 2.0], "must be integers"),
+                                       ([1, [2, 3]], r"or, for a batch, a list of such lists; got \[1, \[2, 3\]\]"),
+                                       ([[1, 2], "ab"], "for a batch, a list of such lists"),
+                                       (None, "must be token ids")])
 def test_bad_prompt(tiny, ids, match):
+    """One prompt (or what is neither a prompt nor a batch of them): a GenerationError, never
+    NumPy's ragged-array ValueError."""
     with pytest.raises(GenerationError, match=match):
         specjax.generate(tiny[2], ids, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("bad,match", [([], "non-empty"), ([5, 101], r"\[0, 101\)"), ([2, [3]], "must be token ids"),
+                                       ([7] * 5000, "exceeds the model's max_position_embeddings")])
+def test_bad_prompt_of_a_batch_is_named_by_its_index(tiny, bad, match):
+    with pytest.raises(SpecjaxError, match=rf"^prompts\[2\]: .*{match}"):
+        specjax.generate(tiny[2], [[1, 2], [3], bad], max_new_tokens=3)
 
 
 @pytest.mark.parametrize("seed", [-1, 2 ** 32, 1.0, True])
