@@ -84,14 +84,14 @@ class RopeScaling:
 ROPE_TYPES = ("default", "linear", "yarn")
 
 
-def _number(rope: dict[str, Any], key: str, default: Any, where: str, positive: bool = True) -> float:
-    """A numeric field of a rope dict (missing or null: `default`), else a ConfigError."""
-    value = rope.get(key)
+def _number(value: Any, name: str, default: float | None = None, positive: bool = True) -> float | None:
+    """A numeric config field `name` as a float: `default` when missing or null, else a
+    finite number (and positive unless `positive` is False), else a ConfigError."""
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
             positive and value <= 0):
-        raise ConfigError(f"{where} {key} must be a {'positive ' if positive else ''}number, got {value!r}")
+        raise ConfigError(f"{name} must be a {'positive ' if positive else ''}number, got {value!r}")
     return float(value)
 
 
@@ -108,18 +108,15 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
         if kind not in (None, *ROPE_TYPES):
             raise ConfigError(f"{source}: {key} rope_type {kind!r} is not supported (only {', '.join(ROPE_TYPES)})")
     key, in_use = next(((key, rope) for key, rope in dicts.items() if rope), ("rope_parameters", {}))
-    theta = in_use.get("rope_theta", raw.get("rope_theta"))
-    theta = HF_DEFAULTS["rope_theta"] if theta is None else theta
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
+    theta = _number(in_use.get("rope_theta", raw.get("rope_theta")), f"{source}: rope_theta", HF_DEFAULTS["rope_theta"])
     kind = in_use.get("rope_type", in_use.get("type", "default"))
     if kind in (None, "default"):
-        return float(theta), None
+        return theta, None
     where = f"{source}: {key}"
     if kind == "linear":
-        if "factor" not in in_use:
+        if in_use.get("factor") is None:
             raise ConfigError(f"{where} rope_type 'linear' needs a factor")
-        return float(theta), RopeScaling("linear", _number(in_use, "factor", None, where))
+        return theta, RopeScaling("linear", _number(in_use["factor"], f"{where} factor"))
     # yarn, with transformers' defaults: the pretraining length is the top-level
     # original_max_position_embeddings or max_position_embeddings, the factor their ratio
     # to max_position_embeddings, the attention factor 0.1 ln(factor) + 1 (or DeepSeek's
@@ -129,19 +126,21 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     original = in_use.get("original_max_position_embeddings", raw.get("original_max_position_embeddings", max_pos))
     if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
         raise ConfigError(f"{where} original_max_position_embeddings must be a positive integer, got {original!r}")
-    factor = _number(in_use, "factor", max_pos / original, where)
+    field = lambda name, default=None, positive=True: _number(  # noqa: E731
+        in_use.get(name), f"{where} {name}", default, positive)
+    factor = field("factor", max_pos / original)
     mscale = lambda m: 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0  # noqa: E731
-    attention = _number(in_use, "attention_factor", None, where)
+    attention = field("attention_factor")
     if attention is None:
-        m, m_all = (_number(in_use, name, 0.0, where, positive=False) for name in ("mscale", "mscale_all_dim"))
+        m, m_all = (field(name, 0.0, positive=False) for name in ("mscale", "mscale_all_dim"))
         attention = mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
     truncate = in_use.get("truncate", True)
     if not isinstance(truncate, bool):
         raise ConfigError(f"{where} truncate must be true or false, got {truncate!r}")
     # transformers treats 0 / null betas as their defaults (`or 32`, `or 1`)
-    beta_fast = _number(in_use, "beta_fast", 0.0, where, positive=False) or 32.0
-    beta_slow = _number(in_use, "beta_slow", 0.0, where, positive=False) or 1.0
-    return float(theta), RopeScaling("yarn", factor, original, attention, beta_fast, beta_slow, truncate)
+    beta_fast = field("beta_fast", 0.0, positive=False) or 32.0
+    beta_slow = field("beta_slow", 0.0, positive=False) or 1.0
+    return theta, RopeScaling("yarn", factor, original, attention, beta_fast, beta_slow, truncate)
 
 
 def _defaults_named(message: str, raw: dict[str, Any]) -> str:
