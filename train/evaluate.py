@@ -28,7 +28,10 @@ from train import corpus
 from train.data import encode_documents
 
 
-def heldout_loss(model: specjax.Model, tokens: np.ndarray, seq: int = 512, windows: int = 48) -> float:
+HELDOUT_WINDOW = 512  # tokens per held-out window, for models whose context holds them
+
+
+def heldout_loss(model: specjax.Model, tokens: np.ndarray, seq: int = HELDOUT_WINDOW, windows: int = 48) -> float:
     """Mean next-token cross-entropy (nats) over evenly spaced held-out windows of `seq`
     tokens (at most the model's context)."""
     if seq > model.config.max_position_embeddings:
@@ -144,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                  "edits and samples need one")
     model = specjax.load(args.model, dtype=args.dtype)
     tokens, _, stats = encode_documents(model.tokenizer.backend_tokenizer, corpus.heldout_documents(), "held-out files")
-    window = min(512, model.config.max_position_embeddings)
+    window = min(HELDOUT_WINDOW, model.config.max_position_embeddings)
     loss = heldout_loss(model, tokens, window)
     bytes_per_token = stats["bytes"] / stats["tokens"]
     report = {
