@@ -126,7 +126,8 @@ def test_shipped_dflash_drafter_fits_the_target():
 def test_yarn_model_decodes_as_transformers_and_speculates_exactly(tmp_path, rng):
     """Through the engine (prefill, paged cache, decode and verify steps at positions past
     the pretraining length the YaRN ramp is set by): greedy tokens equal transformers'
-    generate, and prompt lookup's equal plain decoding's."""
+    generate, and so do prompt lookup's and the model drafting for itself (every draft
+    accepted, so verify merges blocks of k + 1 past that length)."""
     ref = hf_tiny(tmp_path, seed=int(rng.integers(1 << 30)), **CASES["rope-yarn"])
     model = specjax.load(tmp_path)
     ids = np.tile(rng.integers(0, model.config.vocab_size, 6), 4)  # repeats: lookup has drafts
@@ -136,5 +137,8 @@ def test_yarn_model_decodes_as_transformers_and_speculates_exactly(tmp_path, rng
                             pad_token_id=0)[0, len(ids):].tolist()
     plain = specjax.generate(model, ids, max_new_tokens=36, stop_ids=())
     assert plain.tokens == want
-    spec = specjax.generate(model, ids, max_new_tokens=36, stop_ids=(), speculative=specjax.NgramProposer(k=4))
-    assert spec.tokens == want and spec.stats.accepted > 0
+    lookup = specjax.generate(model, ids, max_new_tokens=36, stop_ids=(), speculative=specjax.NgramProposer(k=4))
+    assert lookup.tokens == want
+    selfdraft = specjax.generate(model, ids, max_new_tokens=36, stop_ids=(),
+                                 speculative=specjax.DraftProposer(model, k=4))
+    assert selfdraft.tokens == want and selfdraft.stats.accepted == selfdraft.stats.drafted > 0
