@@ -130,9 +130,7 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
       float* row = scores + r * n;
       // Four slots at a time: four independent FMA chains (one chain per score is
       // latency-bound) and one horizontal reduction for the four.
-      int64_t j = j0;
-      for (; j + 4 <= j1; j += 4) {
-        const float *k0 = at[j - j0], *k1 = at[j + 1 - j0], *k2 = at[j + 2 - j0], *k3 = at[j + 3 - j0];
+      auto four = [&](const float* k0, const float* k1, const float* k2, const float* k3, float* out) {
         V8 a0 = qv[0] * Load(k0), a1 = qv[0] * Load(k1), a2 = qv[0] * Load(k2), a3 = qv[0] * Load(k3);
         for (int i = 1; i < NV; ++i) {
           a0 = Fma(qv[i], Load(k0 + 8 * i), a0);
@@ -140,7 +138,17 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
           a2 = Fma(qv[i], Load(k2 + 8 * i), a2);
           a3 = Fma(qv[i], Load(k3 + 8 * i), a3);
         }
-        Lanes4(a0, a1, a2, a3, row + j);
+        Lanes4(a0, a1, a2, a3, out);
+      };
+      int64_t j = j0;
+      for (; j + 4 <= j1; j += 4) {
+        const float* const* k = at + (j - j0);
+        // Four slots of one page lie one after another: addressed from one pointer (given
+        // four, the compiler reloads them from `at` for every line).
+        if (k[1] == k[0] + E && k[2] == k[0] + 2 * E && k[3] == k[0] + 3 * E)
+          four(k[0], k[0] + E, k[0] + 2 * E, k[0] + 3 * E, row + j);
+        else
+          four(k[0], k[1], k[2], k[3], row + j);
       }
       for (; j < j1; ++j) {
         const float* key = at[j - j0];
@@ -212,13 +220,31 @@ void Head(const float* const* q_at, float* const* out_at, const int32_t* pos, co
   for (int64_t j0 = 0; j0 < n; j0 += kSlotBlock) {
     const int64_t j1 = j0 + kSlotBlock < n ? j0 + kSlotBlock : n;
     BlockOf<NV>(vb, seen, j0, j1, buffer, at);
-    for (int64_t r = 0; r < R; ++r) {
+    int64_t r = 0;
+    // Two queries at a time: each value line loaded once feeds both (and twice the
+    // independent FMA chains); each query's chain over j is the one it has alone.
+    for (; r + 2 <= R; r += 2) {
+      const float *w0 = weights + r * n, *w1 = w0 + n;
+      V8 a0[NV], a1[NV];
+      for (int i = 0; i < NV; ++i) a0[i] = accs[r * NV + i], a1[i] = accs[(r + 1) * NV + i];
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* val = at[j - j0];
+        const V8 p0 = Splat(w0[j]), p1 = Splat(w1[j]);  // weights are >= +0, so the same bits as before
+        for (int i = 0; i < NV; ++i) {
+          const V8 x = Load(val + 8 * i);
+          a0[i] = Fma(p0, x, a0[i]);
+          a1[i] = Fma(p1, x, a1[i]);
+        }
+      }
+      for (int i = 0; i < NV; ++i) accs[r * NV + i] = a0[i], accs[(r + 1) * NV + i] = a1[i];
+    }
+    for (; r < R; ++r) {
       const float* wrow = weights + r * n;
       V8 acc[NV];
       for (int i = 0; i < NV; ++i) acc[i] = accs[r * NV + i];
       for (int64_t j = j0; j < j1; ++j) {
         const float* val = at[j - j0];
-        const V8 pv = Splat(wrow[j]);  // weights are >= +0, so the same bits as before
+        const V8 pv = Splat(wrow[j]);
         for (int i = 0; i < NV; ++i) acc[i] = Fma(pv, Load(val + 8 * i), acc[i]);
       }
       for (int i = 0; i < NV; ++i) accs[r * NV + i] = acc[i];
