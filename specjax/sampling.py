@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from . import threefry
 from .errors import SpecjaxError, is_integer, is_real
 
 # Counter streams: separate so that draft sampling, acceptance and residual draws are
@@ -97,13 +98,13 @@ def transform(logits: jax.Array, s: Sampling) -> jax.Array:
 
 
 def position_key(seed: jax.Array, stream: int, position: jax.Array) -> jax.Array:
-    """The key of (seed, stream, absolute position)."""
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), position)
+    """The key of (seed, stream, absolute position) (jax.random's, by `specjax.threefry`)."""
+    return threefry.fold_in(threefry.fold_in(threefry.key(seed), stream), position)
 
 
 def sample(logprobs: jax.Array, key: jax.Array) -> jax.Array:
     """One token from a [V] log-distribution by Gumbel-max (exact; -inf never chosen)."""
-    return argmax(logprobs + jax.random.gumbel(key, logprobs.shape, jnp.float32))
+    return argmax(logprobs + threefry.gumbel(key, logprobs.shape))
 
 
 def target_tokens(logits: jax.Array, positions: jax.Array, seed: jax.Array, s: Sampling) -> jax.Array:
@@ -309,8 +310,7 @@ def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Arra
     sampled = rs.temperature > 0
 
     def draw(idx, kept):
-        noise = jax.vmap(lambda key, ids: jax.vmap(
-            lambda t: jax.random.gumbel(jax.random.fold_in(key, t), (), jnp.float32))(ids))(keys, idx)
+        noise = threefry.gumbel(threefry.fold_in(keys[:, None], idx))  # [N, C]: gumbel(fold_in(key, token))
         pick = argmax(kept + noise)
         return jnp.take_along_axis(idx, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
@@ -323,7 +323,7 @@ def sample_rows(logits: jax.Array, keys: jax.Array, rs: RowSampling) -> jax.Arra
     plain = sampled & (top_k == 0) & (rs.top_p >= 1.0)
 
     def vocabulary(_):  # one draw of noise over V serves both whole-vocabulary paths
-        noise = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
+        noise = threefry.gumbel(keys, (v,))
         by_min_p = argmax(_min_p_rows(x, rs.min_p) + noise)
 
         def by_sort(_):
@@ -375,7 +375,7 @@ def accept_rows(logits: jax.Array | None, drafts: jax.Array, logq: jax.Array, n:
     def one(logp, logq, drafts, n, positions, seed, own):
         k = w - 1
         ratio = jax.vmap(accept_probability)(logp[:k], logq, drafts)
-        u = jax.vmap(lambda p: jax.random.uniform(position_key(seed, ACCEPT, p)))(positions[:k])
+        u = threefry.uniform(position_key(seed, ACCEPT, positions[:k]))
         ok = (u < ratio) & (jnp.arange(k) < n)
         accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
         at = jnp.minimum(accepted, k - 1)

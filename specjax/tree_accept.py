@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import threefry
 from .sampling import ACCEPT, RESIDUAL, RowSampling, position_key, residual_logprobs, sample, target_tokens_rows
 from .sampling import transform_rows
 
@@ -61,7 +62,7 @@ def children_without_replacement(logq: jax.Array, key: jax.Array, m: int) -> jax
     are -1. `m` is static; vmap for rows."""
     v = logq.shape[-1]
     k = min(m, v)
-    noisy = logq.astype(jnp.float32) + jax.random.gumbel(key, (v,), jnp.float32)
+    noisy = logq.astype(jnp.float32) + threefry.gumbel(key, (v,))
     vals, idx = jax.lax.top_k(noisy, k)
     tokens = jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
     if k < m:
@@ -102,7 +103,7 @@ def _walk_row(logp: jax.Array, logq: jax.Array, tokens: jax.Array, parents: jax.
         c = jnp.clip(tokens[k], 0, v - 1)
         ratio = _accept_ratio(lp[c], lq[c], greedy)
         key = position_key(seed, ACCEPT, positions[cur])
-        u = jnp.where(tries == 0, jax.random.uniform(key), jax.random.uniform(jax.random.fold_in(key, tries)))
+        u = jnp.where(tries == 0, threefry.uniform(key), threefry.uniform(threefry.fold_in(key, tries)))
         accept = child & (u < ratio)
         reject = child & ~accept
         lp = jnp.where(accept, logp[k], jnp.where(reject, residual_logprobs(lp, lq), lp))
