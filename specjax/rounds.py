@@ -118,7 +118,7 @@ def _forward(params: Params, cfg: Qwen3Config, kv: KVCache, last: jax.Array, dra
 
 def _commit(scratch: jax.Array | None, tokens: jax.Array, positions: jax.Array, own: jax.Array, width: jax.Array,
             n: jax.Array, live: jax.Array, general: jax.Array, logq: jax.Array | None, seeds: jax.Array,
-            rs: RowSampling, parents: jax.Array | None, sampled_trees: bool):
+            rs: RowSampling, parents: jax.Array | None, sampled_trees: bool, treed: jax.Array):
     """Each row's accepted prefix (trees: path) of a verify step of traced `width`, once
     after the width switch at the engine's widest width Wm: tokens, positions [R, Wm] of
     the step's nodes (`_forward`, padded past the width). Greedy engines pass the target's
@@ -155,12 +155,19 @@ def _commit(scratch: jax.Array | None, tokens: jax.Array, positions: jax.Array, 
         out = jnp.take_along_axis(own, path, axis=1)
     if scratch is not None and logq is not None and wm > 1:
         lq = _fit(logq, wm - 1)
-        if parents is None or not sampled_trees:
+        def chains():
             g_out, g_accepted = smp.accept_rows(None, tokens[:, 1:], lq, n, positions + 1, seeds, rs, own, scratch)
-            g_path = ids
-        else:  # trees of sampled drafts (on a chain bitwise accept_rows): lq[:, i] is node i's children's q
-            g_path, g_accepted, g_out = accept_tree_rows(None, tokens, parents, n, jnp.pad(lq, ((0, 0), (0, 1), (0, 0))),
-                                                         positions + 1, seeds, rs, own, scratch)
+            return ids, g_accepted, g_out
+
+        def sampled_tree_rule():  # lq[:, i] is node i's children's q
+            return accept_tree_rows(None, tokens, parents, n, jnp.pad(lq, ((0, 0), (0, 1), (0, 0))),
+                                    positions + 1, seeds, rs, own, scratch)
+
+        if parents is None or not sampled_trees:
+            g_path, g_accepted, g_out = chains()
+        else:  # the tree rule only in steps where a row verifies a tree of sampled drafts (on a chain it is
+            # bitwise the chain's rule, at a higher cost)
+            g_path, g_accepted, g_out = jax.lax.cond(jnp.any(general & treed), sampled_tree_rule, chains)
         out = jnp.where(general[:, None], g_out, out)
         accepted = jnp.where(general, g_accepted, accepted)
         path = jnp.where(general[:, None], g_path, path)
@@ -578,7 +585,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         out, count, path, scratch = _commit(scratch if sampled else None, tokens, positions, own,
                                             jnp.asarray(widths)[pick], n, live, (src > 0) & drawn,
                                             _by_source(src - 1, logqs) if sample_drafts and models else None,
-                                            seeds, rs, parents, sampled_trees)
+                                            seeds, rs, parents, sampled_trees, verified)
         nan = jnp.any(nan & live)
         if t_nodes:  # the accepted paths become plain prefixes (taps past the width are stale anyway)
             kv = compact_paths(kv, path, count)
