@@ -127,8 +127,9 @@ def _commit(scratch: jax.Array | None, tokens: jax.Array, positions: jax.Array, 
     compiled copy of the sampler whatever the width; with sampled model drafts each
     column's log-probabilities replace its logits). Rows where `general` is set take the
     rule for sampled drafts with their logq [R, >= n, V] (`sampling.accept_rows`, or with
-    `sampled_trees` and `parents` `tree_accept.accept_tree_rows`, logq[:, i] the q node
-    i's children were drawn from). Nodes past a row's n are never read.
+    `sampled_trees` and `parents`, in a step where such a row is `treed` [R] (verifies a
+    tree), `tree_accept.accept_tree_rows`, logq[:, i] the q node i's children were drawn
+    from). Nodes past a row's n are never read.
 
     Returns (tokens [R, SPAN]: t_1 .. t_W, count [R] = accepted + 1 (0 for rows not live),
     path [R, SPAN] (the accepted path's nodes, then the node ids; the identity for
