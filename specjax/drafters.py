@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from . import cpu_kernels, trees
+from . import cpu_kernels, steps, trees
 from . import kv as kvlib
 from . import sampling as smp
 from .checkpoint import LAYERS, Params
@@ -450,8 +451,8 @@ def markov_tree(markov: Params, logits: jax.Array, last: jax.Array, head: Head |
 
 def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: Params, cfg: Qwen3Config,
                  last: jax.Array, start: jax.Array, k: int, seeds: jax.Array, rs: RowSampling, sample: jax.Array,
-                 sample_drafts: bool, head: Head | None = None, tree_nodes: int = 0
-                 ) -> tuple[jax.Array, jax.Array | None, DFlashCache, dict | None]:
+                 sample_drafts: bool, head: Head | None = None, tree_nodes: int = 0, ranks: jax.Array | bool = True,
+                 pairs: jax.Array | bool = True) -> tuple[jax.Array, jax.Array | None, DFlashCache, dict | None]:
     """DFlash drafts [R, k] after the context catches up to `start` (argmax per block row,
     or where `sample` is set one independent draw per row from its transformed q, keyed by
     (seed, DRAFT stream, position)), their log-probs [R, k, V] when drafts may be sampled,
@@ -461,19 +462,26 @@ def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: P
     same DRAFT-stream noise, whose first token is that row's sampled draft (-1 where q has
     one token only): a sampled tree's second children (`sampled_tree`). With a draft
     vocabulary's `head`, q is zero outside it. With a Markov head (fparams[MARKOV]) the
-    drafts and q are `markov_drafts`' and the tree `markov_tree`'s."""
+    drafts and q are `markov_drafts`' and the tree `markov_tree`'s.
+
+    `ranks` and `pairs` (traced bools) say whether this pass needs the ranked tree and the
+    second tokens; where one is False it is zeros, and costs nothing to make."""
     fc = catch_up(fparams, fcfg, fc, start)
     logits, fkv = block_logits(fparams, fcfg, fc.kv, params, cfg, last, start, k, head)
     fc = fc.replace(kv=fkv)
+
+    def ranking(make: Callable[[], dict]) -> dict | None:
+        return jax.lax.cond(ranks, make, functools.partial(steps.zeros_of, make)) if tree_nodes else None
+
     if MARKOV in fparams:
         drafts, logq, second = markov_drafts(fparams[MARKOV], logits, last, start, seeds, rs, sample,
-                                             sample_drafts, cfg.vocab_size, head, bool(tree_nodes))
-        ranked = markov_tree(fparams[MARKOV], logits, last, head, tree_nodes) if tree_nodes else None
+                                             sample_drafts, cfg.vocab_size, head, pairs if tree_nodes else False)
+        ranked = ranking(lambda: markov_tree(fparams[MARKOV], logits, last, head, tree_nodes))
         if ranked is not None and second is not None:
             ranked = {**ranked, "second": second}
         return drafts, logq, fc, ranked
     rows = last.shape[0]
-    ranked = block_tree(logits, head, tree_nodes) if tree_nodes else None
+    ranked = ranking(lambda: block_tree(logits, head, tree_nodes))
     greedy = smp.argmax(logits)
     if head is not None:
         greedy = head[1][greedy]
@@ -481,7 +489,7 @@ def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: P
         return greedy, None, fc, ranked
     positions = (start[:, None] + 1 + jnp.arange(k)).reshape(-1)
     logq = smp.transform_rows(_whole_vocabulary(logits, head, cfg.vocab_size).reshape(rows * k, -1), rs.repeat(k))
-    drawn, second = _draws(logq, jnp.repeat(seeds, k), positions, bool(tree_nodes))
+    drawn, second = _draws(logq, jnp.repeat(seeds, k), positions, pairs if tree_nodes else False)
     if tree_nodes:
         ranked = {**ranked, "second": second.reshape(rows, k)}
     return jnp.where(sample[:, None], drawn.reshape(rows, k), greedy), logq.reshape(rows, k, -1), fc, ranked
@@ -495,21 +503,30 @@ def _whole_vocabulary(logits: jax.Array, head: Head | None, vocab_size: int) -> 
     return jnp.full((*logits.shape[:-1], vocab_size), -jnp.inf, logits.dtype).at[..., head[1]].set(logits)
 
 
-def _draws(logq: jax.Array, seeds: jax.Array, positions: jax.Array, pairs: bool
+def _draws(logq: jax.Array, seeds: jax.Array, positions: jax.Array, pairs: jax.Array | bool
            ) -> tuple[jax.Array, jax.Array | None]:
     """Per row of logq [N, V] a draft token drawn with the (seed, DRAFT stream, position)
-    noise (`smp.sample`'s draw), and with `pairs` the second token of a draw without
-    replacement on the same noise, whose first is that token (else None)."""
+    noise (`smp.sample`'s draw), and unless `pairs` is False (static) the second token of a
+    draw without replacement on the same noise, whose first is that token: drawn where
+    `pairs` (a traced bool) is set, -1 where not."""
     keys = jax.vmap(lambda s, p: smp.position_key(s, smp.DRAFT, p))(seeds, positions)
-    if not pairs:
-        return jax.vmap(smp.sample)(logq, keys), None
-    pair = jax.vmap(lambda lq, key: children_without_replacement(lq, key, 2))(logq, keys)
-    return pair[:, 0], pair[:, 1]
+
+    def single():
+        return jax.vmap(smp.sample)(logq, keys)
+
+    if pairs is False:
+        return single(), None
+
+    def both():
+        pair = jax.vmap(lambda lq, key: children_without_replacement(lq, key, 2))(logq, keys)
+        return pair[:, 0], pair[:, 1]
+
+    return jax.lax.cond(pairs, both, lambda: (single(), jnp.full(logq.shape[:1], -1, jnp.int32)))
 
 
 def markov_drafts(markov: Params, logits: jax.Array, last: jax.Array, start: jax.Array, seeds: jax.Array,
                   rs: RowSampling, sample: jax.Array, sample_drafts: bool, vocab_size: int, head: Head | None,
-                  pairs: bool) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+                  pairs: jax.Array | bool) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """A block's drafts chosen left to right through a Markov head (`dflash.markov_bias`):
     block row j's logits [R, N] (`block_logits`') plus the head's bias from the token
     chosen at row j - 1 (`last` for row 0); then its argmax, or where `sample` is set a
@@ -517,9 +534,9 @@ def markov_drafts(markov: Params, logits: jax.Array, last: jax.Array, start: jax
     draws. Every q is that of the tokens before it as drafted, so the acceptance rule
     sees the distribution that produced each draft.
 
-    Returns (drafts [R, k], logq [R, k, V] when sample_drafts else None, with `pairs` and
-    sample_drafts the second token of each row's draw without replacement [R, k] else
-    None)."""
+    Returns (drafts [R, k], logq [R, k, V] when sample_drafts else None, unless `pairs` is
+    False the second token of each row's draw without replacement [R, k] with
+    sample_drafts (`_draws`) else None)."""
     w2 = markov["w2"] if head is None else markov["w2"][head[1]]  # [N, r], once for every row
     ids = None if head is None else head[1]
 
@@ -538,7 +555,7 @@ def markov_drafts(markov: Params, logits: jax.Array, last: jax.Array, start: jax
     out = [x.swapaxes(0, 1) for x in out]  # rows first
     if not sample_drafts:
         return out[0], None, None
-    return out[0], out[1], out[2] if pairs else None
+    return out[0], out[1], None if pairs is False else out[2]
 
 
 def sampled_tree_shape(nodes: jax.Array) -> tuple[jax.Array, jax.Array]:

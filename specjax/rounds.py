@@ -46,6 +46,7 @@ drafts: in distribution).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -325,25 +326,22 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         return go
 
     def no_feed(dkv, history, size):
-        shapes = jax.eval_shape(feed_at(FEEDS[0]), dkv, history, size)[0]
-        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), dkv
+        return steps.zeros_of(lambda: feed_at(FEEDS[0])(dkv, history, size)[0]), dkv
 
-    def block(fkv, last, start):
+    def block(fkv, last, start, ranks, pairs):
         drafts, logq, fkv, ranked = block_drafts(fparams, fcfg, fkv, params, cfg, last, start, fk, seeds, rs, drawn,
-                                                 sample_drafts, fhead, f_nodes)
+                                                 sample_drafts, fhead, f_nodes, ranks, pairs)
         return (drafts, logq, ranked), fkv
 
-    def no_block(fkv, last, start):
-        shapes = jax.eval_shape(block, fkv, last, start)[0]
-        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), fkv
+    def no_block(fkv, last, start, ranks, pairs):
+        return steps.zeros_of(lambda: block(fkv, last, start, ranks, pairs)[0]), fkv
 
     def grow(dkv, logits, size, levels):
         ranked, greedy, greedy_n, fed, dkv = draft_tree(dparams, dcfg, dkv, logits, size, d_nodes, levels)
         return (ranked, greedy, greedy_n, fed), dkv
 
     def no_grow(dkv, logits, size, levels):
-        shapes = jax.eval_shape(grow, dkv, logits, size, levels)[0]
-        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), dkv
+        return steps.zeros_of(lambda: grow(dkv, logits, size, levels)[0]), dkv
 
     def body(c):
         kv, dkv, fkv, history, size, made, i, state, bad, stopped, log, scratch = c
@@ -497,8 +495,12 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         block_drafts_ = block_ranked = None
         if fcfg is not None:  # DFlash's block pass, when the round uses it
             ran = (subset & bit["dflash"]) > 0
+            # the block's ranked tree where a row builds it (`options` below), second children where a row
+            # verifies a sampled tree
+            ranks = jnp.any(budgeted & ~drawn & (offered["dflash"] > 0)) if f_nodes else jnp.bool_(False)
+            pairs = jnp.any(treeing["dflash"] & drawn) if f_nodes and sample_drafts else jnp.bool_(False)
             (block_drafts_, block_logq, block_ranked), fkv = steps.switch(ran.astype(jnp.int32), [no_block, block],
-                                                                          fkv, last, kv.lengths)
+                                                                          fkv, last, kv.lengths, ranks, pairs)
             candidates.append(_fit(block_drafts_, k))
             logqs.append(None if block_logq is None else _fit(block_logq, k))
         parents, main = None, jnp.ones((rows, SPAN), bool)
@@ -525,14 +527,16 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         if t_nodes:  # rows with a tree budget: their proposer's best tree, as many nodes as a chain's drafts
             parents = chain_ = trees.chain_parents(rows, SPAN)
             # (proposer, candidates slot, ranked nodes, trie entries, rows whose tree is built, most nodes)
-            looked = jax.vmap(lambda h, s, b, e: lookup_tree(h, s, k, b, e, t_nodes))(history, size, scores, ends)
-            options = [("lookup", 0, looked, capacity(k), budgeted & ~hosted & (found > 0),
+            # (proposer, its candidates slot, its ranked nodes (made on demand), trie entries, the rows whose tree
+            # is built, most nodes); each tree is built only in rounds where some row has one
+            options = [("lookup", 0, lambda: jax.vmap(lambda h, s, b, e: lookup_tree(h, s, k, b, e, t_nodes))(
+                history, size, scores, ends), capacity(k), budgeted & ~hosted & (found > 0),
                         jnp.minimum(room[pick], limit))]
             if d_nodes:  # a draft model's tree, for rows that grew one
-                options.append(("draft", 1, draft_ranked, draft_tree_capacity(d_nodes), grown,
+                options.append(("draft", 1, lambda: draft_ranked, draft_tree_capacity(d_nodes), grown,
                                 jnp.minimum(room[pick], offered["draft"])))
             if f_nodes:  # a DFlash block's tree, for rows whose drafts are not sampled
-                options.append(("dflash", len(candidates) - 1, block_ranked,
+                options.append(("dflash", len(candidates) - 1, lambda: block_ranked,
                                 tree_capacity(fk, f_nodes, MARKOV in fparams),
                                 budgeted & ~drawn & ran & (offered["dflash"] > 0),
                                 jnp.minimum(room[pick], offered["dflash"])))
@@ -540,9 +544,9 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 source = 0 if name == "lookup" else models.index(name) + 1
                 ready = ready & (most > 0)
                 treed = treeing[name] & ready & (src == source) & (n > 0)
-                nodes = ranked["token"].shape[1]
-                t_drafts, t_parents, t_main, t_n = trees.arrange(ranked, jnp.where(ready, jnp.minimum(most, row_tree),
-                                                                                   0), cap)
+                build = partial(_arranged, ranked, jnp.where(ready, jnp.minimum(most, row_tree), 0), cap)
+                t_drafts, t_parents, t_main, t_n = jax.lax.cond(jnp.any(ready), build, partial(steps.zeros_of, build))
+                nodes = t_drafts.shape[1]
                 built[name] = (t_drafts, t_parents, t_n, ready)
                 verified = verified | treed
                 candidates[at_c] = jnp.where(treed[:, None], _fit(t_drafts, k), candidates[at_c])
@@ -700,6 +704,11 @@ def _tree_held(drafts: jax.Array, parents: jax.Array, n: jax.Array, out: jax.Arr
     depth = trees.depths(parents)
     _, held = trees.walk(tokens, parents, n, jnp.take_along_axis(out, jnp.minimum(depth, out.shape[1] - 1), axis=1))
     return jnp.minimum(held, count)
+
+
+def _arranged(ranked: Callable[[], dict], n: jax.Array, capacity: int):
+    """`trees.arrange` of the ranked nodes `ranked()` makes."""
+    return trees.arrange(ranked(), n, capacity)
 
 
 def _by_source(src: jax.Array, options: list[jax.Array]) -> jax.Array:

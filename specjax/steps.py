@@ -7,6 +7,9 @@ a verify step of T tokens (T = 1 is plain decoding) runs at the smallest bucket 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -28,11 +31,16 @@ def switch(index: jax.Array, branches: list, carry, *args):
     Why: XLA:CPU copies a cache that a conditional's branch updates (two pool copies per
     step, ~1 ms on tiny-code), but updates a while loop's carried buffers in place.
     """
-    shapes = jax.eval_shape(branches[0], carry, *args)[0]
-    init = (jnp.int32(index), jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), carry)
+    init = (jnp.int32(index), zeros_of(lambda: branches[0](carry, *args)[0]), carry)
     for j, branch in enumerate(branches):
         def body(c, branch=branch):
             outputs, carry = branch(c[2], *args)
             return jnp.int32(-1), outputs, carry
         init = jax.lax.while_loop(lambda c, j=j: c[0] == j, body, init)
     return init[1], init[2]
+
+
+def zeros_of(make: Callable[[], Any]) -> Any:
+    """Zeros shaped as what `make()` returns, computing none of it (the idle side of a
+    branch that may skip work)."""
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(make))
