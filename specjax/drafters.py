@@ -186,7 +186,7 @@ def draft_tree(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, logits: jax.Arr
     count = draft_tree_capacity(nodes) - 1
     cand_depth = np.concatenate([np.ones(width, np.int32)] + [np.full(width * width, d, np.int32)
                                                               for d in range(2, depth + 1)])
-    top, tok = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), width)
+    top, tok = cpu_kernels.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), width)
     token = jnp.zeros((rows, count), jnp.int32).at[:, :width].set(tok.astype(jnp.int32))
     score = jnp.full((rows, count), -jnp.inf, jnp.float32).at[:, :width].set(top)
     parent = jnp.full((rows, count), -1, jnp.int32)  # candidate index of the parent; -1: the root
@@ -205,7 +205,7 @@ def draft_tree(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, logits: jax.Arr
                                   jnp.broadcast_to((size + l - 1)[:, None], (rows, width)), dkv,
                                   sees=at[:, None] + lane, ancestors=jax.lax.bitcast_convert_type(own, jnp.int32),
                                   at=at, base=size)
-        lp, child = jax.lax.top_k(jax.nn.log_softmax(unembed(dparams, dcfg, h), axis=-1), width)  # [R, K, K]
+        lp, child = cpu_kernels.top_k(jax.nn.log_softmax(unembed(dparams, dcfg, h), axis=-1), width)  # [R, K, K]
         scores = (jnp.take_along_axis(score, frontier, axis=1)[:, :, None] + lp).reshape(rows, -1)
         first = width + (l - 1) * width * width  # the block of depth l + 1, parent-major
         put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new, first, axis=1)  # noqa: E731
@@ -213,7 +213,7 @@ def draft_tree(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, logits: jax.Arr
         score = put(score, scores)
         parent = put(parent, jnp.repeat(frontier, width, axis=1))
         main = put(main, (jnp.take_along_axis(main, frontier, axis=1)[:, :, None] & (lane == 0)).reshape(rows, -1))
-        _, best = jax.lax.top_k(scores, width)  # the next frontier, and its ancestors: its parents' and theirs
+        _, best = cpu_kernels.top_k(scores, width)  # the next frontier, and its ancestors: its parents' and theirs
         up = jax.lax.dynamic_update_slice_in_dim(up, (best // width).astype(jnp.int32)[:, None], l, axis=1)
         return (dkv, token, score, parent, main, first + best.astype(jnp.int32),
                 jnp.take_along_axis(own, best // width, axis=1), fed, up)
@@ -223,7 +223,7 @@ def draft_tree(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, logits: jax.Arr
     carry = (dkv, token, score, parent, main, frontier, above, fed, up)
     dkv, token, score, parent, main, _, _, fed, up = jax.lax.fori_loop(1, 1 + jnp.minimum(levels, depth - 1), level,
                                                                        carry)
-    best, pick = jax.lax.top_k(score, min(nodes, count))  # ties: the lower index, so a parent first
+    best, pick = cpu_kernels.top_k(score, min(nodes, count))  # ties: the lower index, so a parent first
     take = lambda x: jnp.take_along_axis(x, pick, axis=1)  # noqa: E731
     ranked = {"token": take(token), "parent": take(parent) + 1, "trie": (pick + 1).astype(jnp.int32),
               "depth": jnp.asarray(cand_depth)[pick], "main": take(main), "valid": best > -jnp.inf}
@@ -367,7 +367,7 @@ def block_tree(logits: jax.Array, head: Head | None, nodes: int) -> dict:
     second, depth, parent = _tree_candidates(k)
     x = logits.astype(jnp.float32)
     # log-softmax of the top tokens only (of the whole row, XLA fused it into every use: 2 ms)
-    top, idx = jax.lax.top_k(x, TREE_BRANCH)
+    top, idx = cpu_kernels.top_k(x, TREE_BRANCH)
     lp = top - jax.nn.logsumexp(x, axis=-1)[..., None]
     tok = (idx if head is None else head[1][idx]).astype(jnp.int32)  # [R, k, 2]
     within = np.arange(k)[None, :] < depth[:, None]  # [C, k]: block rows on the path
@@ -376,7 +376,7 @@ def block_tree(logits: jax.Array, head: Head | None, nodes: int) -> dict:
     last = depth - 1  # the block row of a candidate's own token
     own = jnp.where(jnp.asarray(second[np.arange(len(depth)), last])[None], tok[:, last, 1], tok[:, last, 0])
     nodes = min(nodes, len(depth))
-    best, at = jax.lax.top_k(score, nodes)  # ties: the lower index, so a prefix before its extensions
+    best, at = cpu_kernels.top_k(score, nodes)  # ties: the lower index, so a prefix before its extensions
     cand = lambda table: jnp.asarray(table)[at]  # noqa: E731
     return {"token": jnp.take_along_axis(own, at, axis=1), "parent": cand(parent + 1),
             "trie": (at + 1).astype(jnp.int32), "depth": cand(depth), "main": cand(~second.any(axis=1)),
@@ -412,7 +412,7 @@ def markov_tree(markov: Params, logits: jax.Array, last: jax.Array, head: Head |
     def children(at: jax.Array, prev: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(log-softmax [R, branch], tokens [R, branch]) of block row `at` [R] after `prev` [R]."""
         biased = logits[rowwise, at].astype(jnp.float32) + markov_bias({"w1": markov["w1"], "w2": w2}, prev)
-        top, idx = jax.lax.top_k(biased, branch)
+        top, idx = cpu_kernels.top_k(biased, branch)
         tok = idx if head is None else head[1][idx]
         return top - jax.nn.logsumexp(biased, axis=-1, keepdims=True), tok.astype(jnp.int32)
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from . import threefry
+from . import cpu_kernels, threefry
 from .errors import SpecjaxError, is_integer, is_real
 
 # Counter streams: separate so that draft sampling, acceptance and residual draws are
@@ -214,7 +214,7 @@ def _candidates(x: jax.Array, rs: RowSampling, top_k: jax.Array, c: int):
     included, no more than c of them), or with top-p and no top-k when the mass outside
     its c largest is at most 1 - top_p (TopP drops all of it; no ties at the c-th value
     straddle the cut): top-p and min-p then run on the c largest alone."""
-    vals, idx = jax.lax.top_k(x, c)
+    vals, idx = cpu_kernels.top_k(x, c)
     vals = jax.lax.optimization_barrier(vals)
     kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, c - 1)[:, None], axis=-1)  # [N, 1]
     by_k = (top_k > 0) & (top_k <= c) & (jnp.sum(x >= kth, axis=-1) <= c)

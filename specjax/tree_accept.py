@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import threefry
+from . import cpu_kernels, threefry
 from .sampling import ACCEPT, RESIDUAL, RowSampling, position_key, residual_logprobs, sample, target_tokens_rows
 from .sampling import transform_rows
 
@@ -63,7 +63,7 @@ def children_without_replacement(logq: jax.Array, key: jax.Array, m: int) -> jax
     v = logq.shape[-1]
     k = min(m, v)
     noisy = logq.astype(jnp.float32) + threefry.gumbel(key, (v,))
-    vals, idx = jax.lax.top_k(noisy, k)
+    vals, idx = cpu_kernels.top_k(noisy, k)
     tokens = jnp.where(vals > -jnp.inf, idx, -1).astype(jnp.int32)
     if k < m:
         tokens = jnp.concatenate([tokens, jnp.full((m - k,), -1, jnp.int32)])

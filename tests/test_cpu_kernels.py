@@ -490,3 +490,42 @@ def test_the_real_build_records_what_the_compiler_targets():
     assert set(isa) <= runtime.cpu_flags()
     if runtime.platform.machine() == "x86_64":
         assert {"sse4_2"} <= set(isa)  # any x86-64 CPU this decade; -march=native must say so
+
+
+def _same_top_k(x, k):
+    want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
+    got_v, got_i = jax.jit(lambda x: cpu_kernels.top_k(x, k))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(got_v).view(np.uint32), np.asarray(want_v).view(np.uint32))
+
+
+@pytest.mark.parametrize("v,k", [(8192, 64), (8192, 1024), (1000, 7), (37, 37), (37, 1), (9, 5), (100, 99)])
+def test_top_k_equals_xla(rng, v, k):
+    """The top-k kernel gives lax.top_k's values and indices: random rows (logits-like and
+    heavy-tailed), rows of few distinct values (ties: the lower index first), leading dims."""
+    _same_top_k(rng.standard_normal((3, v)).astype(np.float32) * 4, k)
+    _same_top_k(rng.standard_cauchy((2, 2, v)).astype(np.float32), k)
+    _same_top_k(rng.integers(-2, 2, (4, v)).astype(np.float32), k)
+
+
+def test_top_k_orders_special_values_as_xla(rng):
+    """XLA's total order: -NaN < -inf < -0 < +0 < +inf < +NaN, then the lower index; blocks
+    of -inf or -NaN (the least possible threshold) included."""
+    neg_nan = np.array([0xFFFFFFFF, 0xFFC00000], np.uint32).view(np.float32)
+    pool = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, *neg_nan], np.float32)
+    for _ in range(20):
+        x = rng.choice(pool, size=(3, 23))
+        for k in (1, 5, 23):
+            _same_top_k(x, k)
+    _same_top_k(np.full((2, 16), neg_nan[0]), 4)
+    _same_top_k(np.concatenate([np.full(8, -np.inf, np.float32), rng.standard_normal(8).astype(np.float32)])[None], 3)
+
+
+def test_top_k_under_vmap_and_fallbacks(rng):
+    x = jnp.asarray(rng.standard_normal((4, 3, 50)), jnp.float32)
+    got = jax.vmap(lambda r: cpu_kernels.top_k(r, 6))(x)
+    want = jax.lax.top_k(x, 6)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    ints = jnp.asarray(rng.integers(0, 9, (2, 30)), jnp.int32)  # not float32: XLA's TopK
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.top_k(ints, 4)[1]), np.asarray(jax.lax.top_k(ints, 4)[1]))
