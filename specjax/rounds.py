@@ -526,7 +526,6 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             logqs[0] = None if model_logq is None else _fit(model_logq, k)
         if t_nodes:  # rows with a tree budget: their proposer's best tree, as many nodes as a chain's drafts
             parents = chain_ = trees.chain_parents(rows, SPAN)
-            # (proposer, candidates slot, ranked nodes, trie entries, rows whose tree is built, most nodes)
             # (proposer, its candidates slot, its ranked nodes (made on demand), trie entries, the rows whose tree
             # is built, most nodes); each tree is built only in rounds where some row has one
             options = [("lookup", 0, lambda: jax.vmap(lambda h, s, b, e: lookup_tree(h, s, k, b, e, t_nodes))(
