@@ -497,7 +497,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             ran = (subset & bit["dflash"]) > 0
             # the block's ranked tree where a row builds it (`options` below), second children where a row
             # verifies a sampled tree
-            ranks = jnp.any(budgeted & ~drawn & (offered["dflash"] > 0)) if f_nodes else jnp.bool_(False)
+            block_trees = budgeted & ~drawn & (offered["dflash"] > 0)  # rows building the block's tree if it runs
+            ranks = jnp.any(block_trees) if f_nodes else jnp.bool_(False)
             pairs = jnp.any(treeing["dflash"] & drawn) if f_nodes and sample_drafts else jnp.bool_(False)
             (block_drafts_, block_logq, block_ranked), fkv = steps.switch(ran.astype(jnp.int32), [no_block, block],
                                                                           fkv, last, kv.lengths, ranks, pairs)
@@ -537,7 +538,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             if f_nodes:  # a DFlash block's tree, for rows whose drafts are not sampled
                 options.append(("dflash", len(candidates) - 1, lambda: block_ranked,
                                 tree_capacity(fk, f_nodes, MARKOV in fparams),
-                                budgeted & ~drawn & ran & (offered["dflash"] > 0),
+                                block_trees & ran,
                                 jnp.minimum(room[pick], offered["dflash"])))
             for name, at_c, ranked, cap, ready, most in options:
                 source = 0 if name == "lookup" else models.index(name) + 1
