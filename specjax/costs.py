@@ -58,6 +58,19 @@ def tree_cost(rows: int, ratio: float, frontier: int, depth: int) -> np.ndarray:
     return np.array([max(min(w - 1, depth) - 1, 0) * step for w in steps.BUCKETS])
 
 
+# Extra cost of a round that builds a lookup trie or a DFlash block's best tree (`rounds.rounds`, its
+# build bit), relative to a one-token step of one row, before any timing: on tiny-code with its DFlash drafter
+# (context 512, 2026-12-06) the block's tree took 0.2-0.3 ms beside a 1.55 ms one-token step. Each row builds
+# its own.
+TREE_BUILD_COST = 0.15
+
+
+def build_cost(rows: int, per_row: float = TREE_BUILD_COST) -> np.ndarray:
+    """Prior extra cost (any width) of building the rows' lookup tries or DFlash trees,
+    `per_row` of a one-token step each."""
+    return np.full(len(steps.BUCKETS), per_row * rows / tokens_cost(rows))
+
+
 def prior_costs(rows: int, extras: list[np.ndarray]) -> np.ndarray:
     """[2^M, widths] prior step costs of rows x W tokens, for each subset of the M step
     parts beyond the target's verify (bit i: extras[i], that part's extra cost per width,

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import steps
 from .checkpoint import weight_bytes
-from .costs import StepCosts, block_cost, chain_cost, prior_costs, tree_cost
+from .costs import TREE_BUILD_COST, StepCosts, block_cost, build_cost, chain_cost, prior_costs, tree_cost
 from .dflash import Drafter, fit_problems
 from .drafters import DFlashCache, draft_head, draft_tree_shape, draft_tree_slots
 from .errors import is_integer
@@ -66,9 +66,12 @@ class Speculation:
     the chain's) measures how far each would have been accepted, as far as the committed
     tokens decide, and a row's mean of each (decayed) picks the shape and scales the tokens
     the chooser expects of that proposer's tree (`rounds.rounds`, "shapes"); where the
-    means are equal the chain is drafted (a tree round costs more: its trie or best-tree
-    search, the walk, the compaction), except for a draft model, whose tree is measured
-    only in rounds that grow it. Rows with sampled model drafts take those chains."""
+    means are equal the chain is drafted. Building a lookup trie or a DFlash block's tree
+    is a step kind of its own in the fitted costs (as growing a draft model's tree is), so
+    a round builds them only where the tokens the trees are expected to add pay for the
+    build, and otherwise every `rounds.MEASURE_EVERY`-th round, to keep measuring how deep
+    they hold; a draft model's tree is measured only in rounds that grow it. Rows with
+    sampled model drafts take those chains."""
 
     k: int = 15
     max_ngram: int = 3
@@ -216,7 +219,8 @@ class Engine:
         self.sample_drafts = bool(sample_drafts) and (draft is not None or dflash is not None)
         # the model proposers' prior extra step costs (their weight bytes over the target's)
         target_bytes = weight_bytes(model.params)
-        self.model_costs: list[tuple] = []  # (kind, weight-bytes ratio, shape ...) per part, in subset-bit order
+        # (kind, weight-bytes ratio (a build's: its cost per row), shape ...) per part, in subset-bit order
+        self.model_costs: list[tuple] = []
         # a DFlash block is scored by the target's head, or its rows of the draft vocabulary
         self.fhead = None if dflash is None or dflash.vocab is None else draft_head(model.params, cfg, dflash.vocab)
         if draft is not None:
@@ -228,6 +232,8 @@ class Engine:
         if draft is not None and self.spec.nodes and self.k:  # a draft-model tree's draft steps: a part of its own
             frontier, depth = draft_tree_shape(min(self.spec.nodes, self.compiled_k))
             self.model_costs.append(("tree", weight_bytes(draft.params) / target_bytes, frontier, depth))
+        if self.spec.nodes and self.k:  # building a lookup trie or a DFlash block's tree
+            self.model_costs.append(("build", TREE_BUILD_COST))
         self.max_batch, self.page_size, self.n_rounds = max_batch, page_size, rounds
         self.join_rounds = max(1, rounds // 4)
         self.max_len = max_len
@@ -522,7 +528,8 @@ class Engine:
         table[idle] = SCRATCH
         key = (rows, sampled, tuple(self.model_costs), self.pages_per_row, self.compiled_k, n_rounds)
         extras = [chain_cost(ratio) if kind == "chain" else block_cost(rows, ratio, *shape) if kind == "block"
-                  else tree_cost(rows, ratio, *shape) for kind, ratio, *shape in self.model_costs]
+                  else tree_cost(rows, ratio, *shape) if kind == "tree" else build_cost(rows, ratio)
+                  for kind, ratio, *shape in self.model_costs]
         groups = 1 << len(extras)
         costs = self.costs.setdefault(key, StepCosts(prior_costs(rows, extras).reshape(-1), groups=groups))
         t0 = time.perf_counter()

@@ -79,6 +79,9 @@ SHAPE_PRIOR = 1.0  # prior accepted depth of either shape, worth PSEUDO rounds: 
 # except a draft model's tree, measured (with the chain it holds) only in the rounds that grow it, whose draft
 # steps cost more than the chain's: its prior has a row try it where a quarter deeper acceptance would pay
 GROWN_PRIOR = 1.25
+# an auto row that drafts the chain still has its lookup / DFlash tree built every MEASURE_EVERY-th round, so
+# the depth its tree would hold stays measured while the rounds between skip the build's cost
+MEASURE_EVERY = 4
 
 
 def columns(max_ngram: int) -> int:
@@ -246,7 +249,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     drafts (a proposer written in Python; one round a call); costs [2^M, widths]: t(W) /
     t(1) of a step of R rows for each subset of the M step parts present (bit 0 the
     draft model's chain, then DFlash's block pass, then a draft model's tree where
-    tree > 0); seeds [R]; rs: per-row sampling. With
+    tree > 0, then building lookup tries or DFlash trees where tree > 0); seeds [R]; rs:
+    per-row sampling. With
     a draft model (dparams, dcfg): dkv its cache over the same page table, dkv.lengths the
     committed tokens it holds (at most size). With a DFlash drafter (fparams, fcfg): fkv its
     state (`drafters.DFlashCache`) over the same page table, fhead the head of its
@@ -268,12 +272,15 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     accepted path's are then moved into place), at most as many nodes as the chain would
     have drafts (and row_tree). A draft-model tree's draft steps are a step kind of their own in costs (the
     subset bit after the models'): a round grows trees or runs the chain or both as it
-    expects most tokens per second. row_auto [R] (with row_tree): rows whose shape the
-    chooser picks each round, per proposer: the tree where the depth its trees held is more
-    than the chain's (`_shape_means`), for the draft model where the tree is expected to
-    give more tokens per second (more tokens, in a round that runs both), else the chain;
-    rows with sampled model drafts take that proposer's chain (a sampled tree's depth is not
-    decided by the committed tokens).
+    expects most tokens per second; so is building the lookup tries and DFlash trees, which a
+    round does where a row with a fixed budget drafts one, where the trees' expected extra
+    tokens pay for the build, and every MEASURE_EVERY-th round for auto rows. row_auto [R]
+    (with row_tree): rows whose shape the chooser picks each round, per proposer: the tree
+    where the depth its trees held is more than the chain's (`_shape_means`) and the round
+    builds it, for the draft model where the tree is expected to give more tokens per second
+    (more tokens, in a round that runs both), else the chain; rows with sampled model drafts
+    take that proposer's chain (a sampled tree's depth is not decided by the committed
+    tokens).
     Returns (log, nan flag, cache, draft cache, DFlash pools, state); log holds "tokens"
     [n_rounds, R, SPAN], "counts" [n_rounds, R], "drafts" judged [n_rounds, R], "source"
     [n_rounds, R] of those drafts (index into SOURCES; -1: none), "branched" [n_rounds, R]
@@ -291,14 +298,16 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     bit = {m: 1 << i for i, m in enumerate(models)}
     d_nodes = min(tree, k) if dcfg is not None else 0
     grow_bit = 1 << len(models) if d_nodes else 0  # the subset bit of rounds growing draft-model trees
-    subsets = (1 << len(models)) * (2 if d_nodes else 1)
+    t_nodes = min(tree, k)  # a tree has at most as many nodes as a chain has drafts
+    # the subset bit of rounds building a lookup trie or a DFlash block's tree (`_arranged`)
+    build_bit = (1 << len(models)) * (2 if d_nodes else 1) if t_nodes else 0
+    subsets = (1 << len(models)) * (2 if d_nodes else 1) * (2 if t_nodes else 1)
     column = {"draft": max_ngram + DRAFT_COLUMN, "dflash": max_ngram + DFLASH_COLUMN}
     use_col = {"draft": 1, "dflash": 2}
     codes = jnp.array([0] + [SOURCES.index(m) for m in models], jnp.int32)  # row's src -> SOURCES index
     fk = 0 if fcfg is None else min(k, fcfg.block_size - 1)  # DFlash drafts per pass
     taps = () if fcfg is None else fcfg.target_layer_ids
 
-    t_nodes = min(tree, k)  # a tree has at most as many nodes as a chain has drafts
     f_nodes = min(tree, fk)
     sampled_trees = bool(f_nodes or d_nodes) and sample_drafts  # sampled model drafts may branch
 
@@ -372,11 +381,12 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             rate = _rates(state, jnp.full((rows,), column[name], jnp.int32))
             expect[name] = expected_tokens(rate[:, :1], rate[:, 1:],
                                            jnp.minimum(room[None, :], offered[name][:, None]))
-        # per proposer whose tree costs no drafting beyond its chain's (lookup, DFlash): the rows drafting its
-        # tree when it drafts (the rest its chain), and how much more than the chain's a tree's drafts are
-        # expected to hold (the ratio of their measured depths)
+        # per proposer whose tree costs no draft steps beyond its chain's (lookup, DFlash; building it is a step
+        # part of its own, build_bit): the rows drafting its tree when it is built (the rest its chain), and
+        # their expected tokens in such rounds (the chain's scaled by the ratio of the depths the shapes held)
         treeing, budgeted = {}, (row_tree > 0) if t_nodes else jnp.zeros(rows, bool)
         auto = jnp.zeros(rows, bool) if row_auto is None else row_auto
+        built_e = {}
         if t_nodes:
             means = _shape_means(state)
             for name, there in (("lookup", True), ("dflash", bool(f_nodes))):
@@ -388,10 +398,12 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 picked = tree_mean > chain_mean if name == "lookup" else (tree_mean > chain_mean) & ~drawn
                 treeing[name] = budgeted & may & jnp.where(auto, picked, True)  # (a sampled tree's depth is unmeasured)
                 gain = jnp.where(treeing[name], tree_mean / chain_mean, 1.0)[:, None]
-                if name == "lookup":
-                    e_l = 1.0 + (e_l - 1.0) * gain
-                else:
-                    expect[name] = 1.0 + (expect[name] - 1.0) * gain
+                built_e[name] = 1.0 + ((e_l if name == "lookup" else expect[name]) - 1.0) * gain
+
+        def expect_in(name: str, subset) -> jax.Array:
+            """[R, widths] a row's expected tokens from lookup or DFlash in a round running `subset`."""
+            chain_e = e_l if name == "lookup" else expect[name]
+            return jnp.where((subset & build_bit) > 0, built_e[name], chain_e) if name in built_e else chain_e
         # the draft model: rows with sampled drafts and a node budget draft the chain's own tree (no extra
         # draft step); the others with a budget may grow its best tree, which costs draft steps of its own
         # (subset bit grow_bit): a row with a fixed budget takes the draft model only in rounds that grow, an
@@ -415,7 +427,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         def offers(subset: int) -> dict:
             """[R, widths] each model proposer's expected tokens a row may take in a round running `subset`."""
             return {name: jnp.where(offered[name][:, None] > 0, draft_expect(subset) if name == "draft"
-                                    else jnp.where((subset & bit[name]) > 0, expect[name], 0.0), 0.0)
+                                    else jnp.where((subset & bit[name]) > 0, expect_in(name, subset), 0.0), 0.0)
                     for name in models}
 
         first, first_logq, dlen, caught = jnp.zeros(rows, jnp.int32), None, None, jnp.zeros(rows, bool)
@@ -450,18 +462,24 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         if adaptive:
             # expected tokens of the batch per second for each (subset of models, width)
             gains, offered_by = [], [offers(s) for s in range(subsets)]
-            for by_model in offered_by:
-                e = e_l
+            for s, by_model in enumerate(offered_by):
+                e = expect_in("lookup", s)
                 for e_m in by_model.values():
                     e = jnp.maximum(e, e_m)
                 gains.append(jnp.sum(e * live[:, None], axis=0))
             gain = jnp.stack(gains) / costs[:, :len(widths)]
+            if t_nodes:  # a round builds the trees where a row with a fixed budget drafts one, or an auto row's is due
+                wants = (found > 0) & ~hosted
+                if f_nodes:
+                    wants = wants | (~drawn & (offered["dflash"] > 0))
+                due = jnp.any(live & budgeted & wants & (~auto | (i % MEASURE_EVERY == 0)))
+                gain = jnp.where(due & ((np.arange(subsets) & build_bit) == 0)[:, None], -jnp.inf, gain)
             best = jnp.argmax(gain.reshape(-1))
             pick = jnp.where(any_drafts, best % len(widths), 0)
             subset = jnp.where(pick > 0, best // len(widths), 0)
             # each row: the proposer of the chosen subset it expects most tokens from
             chosen = jax.tree.map(lambda *e: jnp.stack(e)[subset, at, pick], *offered_by)
-            src, top = jnp.zeros(rows, jnp.int32), e_l[at, pick]
+            src, top = jnp.zeros(rows, jnp.int32), expect_in("lookup", subset)[at, pick]
             for j, name in enumerate(models):
                 better = chosen[name] > top
                 src = jnp.where(better, j + 1, src)
@@ -484,7 +502,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                               expect["draft"][at, pick] / costs[plain | bit["draft"], pick]]
                 grow_on = jnp.where(auto, per_second[0] >= per_second[1], True)
                 subset = jnp.where(jnp.any(growable & grow_on & (src == 1)), subset | grow_bit, subset)
-            subset = jnp.where(pick > 0, subset, 0)
+            subset = jnp.where(pick > 0, subset | build_bit, 0)
+        building = (subset & build_bit) > 0  # (the trees are built where some row has one)
         offer = _by_source(src, [found] + [offered[name] for name in models])
         n = jnp.where(pick > 0, jnp.minimum(room[pick], offer), 0)
         last = jnp.take_along_axis(history, jnp.maximum(size - 1, 0)[:, None], axis=1)[:, 0]
@@ -498,7 +517,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             # the block's ranked tree where a row builds it (`options` below), second children where a row
             # verifies a sampled tree
             block_trees = budgeted & ~drawn & (offered["dflash"] > 0)  # rows building the block's tree if it runs
-            ranks = jnp.any(block_trees) if f_nodes else jnp.bool_(False)
+            ranks = jnp.any(block_trees) & building if f_nodes else jnp.bool_(False)
             pairs = jnp.any(treeing["dflash"] & drawn) if f_nodes and sample_drafts else jnp.bool_(False)
             (block_drafts_, block_logq, block_ranked), fkv = steps.switch(ran.astype(jnp.int32), [no_block, block],
                                                                           fkv, last, kv.lengths, ranks, pairs)
@@ -515,6 +534,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             (draft_ranked, greedy, greedy_n, fed_nodes), dkv = steps.switch(
                 jnp.any(grown).astype(jnp.int32), [no_grow, grow], dkv, logits, size, jnp.maximum(deepest - 1, 0))
         built, verified = {}, jnp.zeros(rows, bool)  # trees the committed tokens will judge; rows verifying one
+        ranked_built = jnp.bool_(False)  # whether the round built a lookup trie or a DFlash block's tree
         chained = False
         if dcfg is not None:  # its chain, once before the step, when the round uses it and some row takes it
             chained = ((subset & bit["draft"]) > 0) & jnp.any(live & (src == 1) & ~grown)
@@ -530,7 +550,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             # (proposer, its candidates slot, its ranked nodes (made on demand), trie entries, the rows whose tree
             # is built, most nodes); each tree is built only in rounds where some row has one
             options = [("lookup", 0, lambda: jax.vmap(lambda h, s, b, e: lookup_tree(h, s, k, b, e, t_nodes))(
-                history, size, scores, ends), capacity(k), budgeted & ~hosted & (found > 0),
+                history, size, scores, ends), capacity(k), budgeted & ~hosted & (found > 0) & building,
                         jnp.minimum(room[pick], limit))]
             if d_nodes:  # a draft model's tree, for rows that grew one
                 options.append(("draft", 1, lambda: draft_ranked, draft_tree_capacity(d_nodes), grown,
@@ -538,7 +558,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             if f_nodes:  # a DFlash block's tree, for rows whose drafts are not sampled
                 options.append(("dflash", len(candidates) - 1, lambda: block_ranked,
                                 tree_capacity(fk, f_nodes, MARKOV in fparams),
-                                block_trees & ran,
+                                block_trees & ran & building,
                                 jnp.minimum(room[pick], offered["dflash"])))
             for name, at_c, ranked, cap, ready, most in options:
                 source = 0 if name == "lookup" else models.index(name) + 1
@@ -548,6 +568,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 t_drafts, t_parents, t_main, t_n = jax.lax.cond(jnp.any(ready), build, partial(steps.zeros_of, build))
                 nodes = t_drafts.shape[1]
                 built[name] = (t_drafts, t_parents, t_n, ready)
+                if name != "draft":
+                    ranked_built = ranked_built | jnp.any(ready)
                 verified = verified | treed
                 candidates[at_c] = jnp.where(treed[:, None], _fit(t_drafts, k), candidates[at_c])
                 n = jnp.where(treed, t_n, n)
@@ -582,9 +604,9 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                                           + jnp.zeros((rows, 1), jnp.int32)], axis=1)[:, :k]
                 node_q = jnp.take_along_axis(logqs[-1], jnp.minimum(rows_q, k - 1)[:, :, None], axis=1)
                 logqs[-1] = jnp.where(treed[:, None, None], node_q, logqs[-1])
-        # the step kind run: the chosen subset, its draft-model bits as the round ran them
-        kind = subset & ~(bit.get("draft", 0) | grow_bit) | jnp.where(chained, bit.get("draft", 0), 0) | jnp.where(
-            jnp.any(grown), grow_bit, 0)
+        # the step kind run: the chosen subset, its draft-model and build bits as the round ran them
+        kind = (subset & ~(bit.get("draft", 0) | grow_bit | build_bit) | jnp.where(chained, bit.get("draft", 0), 0)
+                | jnp.where(jnp.any(grown), grow_bit, 0) | jnp.where(ranked_built, build_bit, 0))
         (tokens, positions, own, nan, tapped), (kv, scratch) = steps.switch(
             pick, [branch(w) for w in widths], (kv, scratch), last, _by_source(src, candidates), parents)
         out, count, path, scratch = _commit(scratch if sampled else None, tokens, positions, own,

@@ -8,9 +8,14 @@ import numpy as np
 import pytest
 
 from specjax import Sampling
+from specjax import sampling as smp
+from specjax import steps
+from specjax.costs import prior_width_costs
 from specjax.engine import Engine, Speculation
+from specjax.kv import KVCache
 from specjax.proposers import ProposerError
 from specjax.results import GenerationError
+from specjax.rounds import MEASURE_EVERY, new_state, rounds
 
 
 def _branchy_prompt(rng, vocab: int) -> np.ndarray:
@@ -89,6 +94,58 @@ def test_auto_rows_draft_the_shape_that_has_held_more(cyclic_target):
     assert min(drafting[:3]) > 0
     assert [r.stats.tree_steps for r in reqs[:4]] == [drafting[0], 0, drafting[2], 0]
     assert np.all(reqs[4].state["shapes"][0, :, 1] > 0)  # its chains and its trees were both judged
+
+
+def _built_rounds(model, prompts, shapes, auto, build_cost, n_rounds=8):
+    """One device call of `n_rounds` rounds over lookup rows with a tree budget of 15, each
+    row's (chain, tree) depth sums and rounds set to `shapes`, and a tree build that costs
+    `build_cost` one-token steps, drafts trusted; returns, per round that drafted, whether
+    it built trees."""
+    rows, cfg = len(prompts), model.config
+    h = np.zeros((rows, 512), np.int32)
+    size = np.array([len(p) for p in prompts], np.int32)
+    for b, p in enumerate(prompts):
+        h[b, :len(p)] = p
+    pages = 512 // 16
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, rows * pages + 1, 16, cfg.head_dim)
+    kv = KVCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32),
+                 1 + np.arange(rows * pages, dtype=np.int32).reshape(rows, pages), size - 1, page_size=16)
+    state = new_state(rows, 3)
+    state["accepted"][:], state["judged"][:] = 400.0, 400.0  # drafts trusted: every round drafts
+    state["shapes"][:, 0] = shapes  # prompt lookup's chains and trees
+    plain = prior_width_costs(1)
+    costs = np.stack([plain, plain + build_cost]).astype(np.float32)  # (step kinds: without, with a build)
+    log, *_ = rounds(model.params, cfg, kv, h, size, np.full(rows, 16 * n_rounds, np.int32),
+                     np.full((rows, 8), -1, np.int32), np.full(rows, 15, np.int32), np.ones((rows, 3), bool), state,
+                     costs, np.arange(rows, dtype=np.uint32), smp.RowSampling.of([Sampling()] * rows),
+                     row_tree=np.full(rows, 15, np.int32), row_auto=np.asarray(auto), k=15, max_ngram=3,
+                     min_ngram=1, n_rounds=n_rounds, sampled=False, tree=15)
+    width = np.asarray(log["width"])
+    drafted = (width >= 0) & (width % len(steps.BUCKETS) > 0)
+    return {i: bool(width[i] // len(steps.BUCKETS)) for i in np.flatnonzero(drafted)}
+
+
+def test_auto_rows_pay_for_a_tree_only_where_it_is_worth_its_build(cyclic_target):
+    """tree="auto": the tree (lookup's trie) is built in a round only where some row drafts
+    it: an auto row whose trees held no deeper than its chains, or whose build costs more
+    than its extra depth gains, has it built only every MEASURE_EVERY-th round (to keep its
+    depth measured); one whose trees held deeper and whose build is cheap, every round; a
+    row with a fixed node budget, every round whatever it costs."""
+    rng = np.random.default_rng(3)
+    v = cyclic_target.config.vocab_size
+    # (every token occurs in the prompt, so a lookup always finds a match)
+    prompts = [np.concatenate([rng.permutation(v), _branchy_prompt(rng, v)]).astype(np.int32) for _ in range(2)]
+    deep, shallow = [2500.0, 500.0], [500.0, 500.0]  # (summed depth, rounds): 5 and 1
+    due = {}
+    for name, shapes, auto, cost in [("tie", [shallow, shallow], True, 0.0), ("dear", [shallow, deep], True, 50.0),
+                                     ("cheap", [shallow, deep], True, 0.01), ("fixed", [shallow, shallow], False, 50.0)]:
+        built = _built_rounds(cyclic_target, prompts, shapes, [auto] * 2, cost)
+        assert len(built) == 2 * MEASURE_EVERY, name
+        due[name] = built
+    for name in ("tie", "dear"):
+        assert due[name] == {i: i % MEASURE_EVERY == 0 for i in due[name]}, name
+    for name in ("cheap", "fixed"):
+        assert all(due[name].values()), name
 
 
 def test_bad_tree_settings_are_refused(cyclic_target):
