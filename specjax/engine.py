@@ -526,7 +526,10 @@ class Engine:
         idle[[r.slot for r in live]] = False
         table = self.table[:rows].copy()
         table[idle] = SCRATCH
-        key = (rows, sampled, tuple(self.model_costs), self.pages_per_row, self.compiled_k, n_rounds)
+        # engines of one target share a fit where their steps of a kind run the same work (a tree budget adds
+        # compaction, sampled drafts their draws)
+        key = (rows, sampled, tuple(self.model_costs), self.pages_per_row, self.compiled_k, n_rounds,
+               self.spec.nodes, self.sample_drafts)
         extras = [chain_cost(ratio) if kind == "chain" else block_cost(rows, ratio, *shape) if kind == "block"
                   else tree_cost(rows, ratio, *shape) if kind == "tree" else build_cost(rows, ratio)
                   for kind, ratio, *shape in self.model_costs]

@@ -221,6 +221,24 @@ def test_choice_ignores_the_draft_values(cyclic_target, rng):
         assert a.tolist() == b.tolist()
 
 
+def test_engines_share_a_cost_fit_only_where_their_steps_run_the_same_work(cyclic_target, rng):
+    """Engines of one target keep fitted step costs across generations, but a chain
+    engine's fit never takes a tree engine's timings (nor one tree budget's another's):
+    their steps of a kind run different programs."""
+    prompt = repeating_prompt(rng, cyclic_target.config.vocab_size)
+    fits = {}
+    for tree in (0, 15, 4, 0):
+        engine = Engine(cyclic_target, Speculation(k=15, tree=tree), max_batch=1, max_len=256)
+        before = {key: fit.timed.copy() for key, fit in engine.costs.items()}
+        for _ in range(3):  # (the first call of a fit is not timed: it compiled)
+            engine.submit(prompt, max_new_tokens=40, stop_ids=()).result()
+        moved = {key for key, fit in engine.costs.items() if key not in before or
+                 not np.array_equal(fit.timed, before[key])}
+        assert len(moved) >= 1, tree
+        fits.setdefault(tree, set()).update(moved)
+    assert not fits[0] & fits[15] and not fits[0] & fits[4] and not fits[15] & fits[4]
+
+
 def test_bad_requests_name_the_parameter(cyclic_target):
     model = cyclic_target
     engine = Engine(model, 4, max_batch=2, max_len=128)
