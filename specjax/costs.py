@@ -89,7 +89,10 @@ class StepCosts:
     by least squares over decayed calls plus `strength` pseudo-steps per width saying
     c_w = prior_w * scale, where scale is the decayed ratio of seconds to the prior's
     prediction over all calls (one width's noise barely moves it): widths never run keep
-    the prior's ratios among themselves, and one run often follows data. A call's time is
+    the prior's ratios among themselves, and one run often follows data. A part whose
+    group bit is in `flat` costs the same at every width (building trees): it is one
+    constant added to the kinds without it, not a cost per kind, so a kind it joins is
+    known once either is, and a few calls fix it. A call's time is
     clipped to `outlier` times the fit's prediction either way: one call slowed by the
     machine (a collection, another process) would otherwise set the cost of the widths it
     happened to run (seen on CPU: width 8 fitted at 6.5x T = 1 after one such call). The
@@ -99,15 +102,29 @@ class StepCosts:
     prior: np.ndarray            # [W] t(T)/t(1)
     strength: float = 16.0       # pseudo-steps per width: about one call's worth
     groups: int = 1              # kinds of step (e.g. with and without a draft chain), each W / groups widths
+    flat: int = 0                # group bits whose part costs one constant at every width
     decay: float = 0.9
     outlier: float = 1.25
     gram: np.ndarray = dataclasses.field(init=False)
     moment: np.ndarray = dataclasses.field(init=False)
     warm: bool = False
     timed: np.ndarray = dataclasses.field(init=False)  # decayed seconds, and the prior's steps
+    basis: np.ndarray = dataclasses.field(init=False)  # [kinds, parameters]: a kind's cost, a sum of parameters
+    start: np.ndarray = dataclasses.field(init=False)  # the prior, in parameters
 
     def __post_init__(self) -> None:
-        n = len(self.prior)
+        widths = len(self.prior) // self.groups
+        prior = self.prior.reshape(self.groups, widths)
+        bits = [1 << b for b in range(self.groups.bit_length()) if self.flat >> b & 1]
+        base = [g for g in range(self.groups) if not g & self.flat]  # groups fitted per width
+        self.basis = np.zeros((len(self.prior), len(base) * widths + len(bits)))
+        for g in range(self.groups):
+            row = g * widths + np.arange(widths)
+            self.basis[row, base.index(g & ~self.flat) * widths + np.arange(widths)] = 1.0
+            for j, bit in enumerate(bits):
+                self.basis[row, len(base) * widths + j] = float(g & bit > 0)
+        self.start = np.concatenate([prior[base].reshape(-1)] + [[np.mean(prior[bit] - prior[0])] for bit in bits])
+        n = self.basis.shape[1]
         self.gram, self.moment, self.timed = np.zeros((n, n)), np.zeros(n), np.zeros(2)
 
     def observe(self, counts: np.ndarray, seconds: float) -> None:
@@ -119,14 +136,16 @@ class StepCosts:
             predicted = float(counts @ self._per_step())
             seconds = min(max(seconds, predicted / self.outlier), predicted * self.outlier)
         self.timed = self.decay * self.timed + [seconds, float(counts @ self.prior)]
-        self.gram = self.decay * self.gram + np.outer(counts, counts)
-        self.moment = self.decay * self.moment + counts * seconds
+        steps = counts @ self.basis  # steps paying each parameter
+        self.gram = self.decay * self.gram + np.outer(steps, steps)
+        self.moment = self.decay * self.moment + steps * seconds
 
     def _per_step(self) -> np.ndarray:
-        """Fitted seconds per step of each width (after a timed call)."""
+        """Fitted seconds per step of each kind (after a timed call)."""
         scale = self.timed[0] / max(self.timed[1], 1e-9)
-        gram = self.gram + self.strength * np.eye(len(self.prior))
-        return np.maximum(np.linalg.solve(gram, self.moment + self.strength * self.prior * scale), 1e-9)
+        gram = self.gram + self.strength * np.eye(len(self.start))
+        fitted = np.linalg.solve(gram, self.moment + self.strength * self.start * scale)
+        return self.basis @ np.maximum(fitted, 1e-9)
 
     def ratios(self) -> np.ndarray:
         """Fitted t(T)/t(1) per width, at least 1 and not falling with T within each group

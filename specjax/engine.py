@@ -534,7 +534,8 @@ class Engine:
                   else tree_cost(rows, ratio, *shape) if kind == "tree" else build_cost(rows, ratio)
                   for kind, ratio, *shape in self.model_costs]
         groups = 1 << len(extras)
-        costs = self.costs.setdefault(key, StepCosts(prior_costs(rows, extras).reshape(-1), groups=groups))
+        flat = sum(1 << i for i, (kind, *_) in enumerate(self.model_costs) if kind == "build")  # (any width: `build_cost`)
+        costs = self.costs.setdefault(key, StepCosts(prior_costs(rows, extras).reshape(-1), groups=groups, flat=flat))
         t0 = time.perf_counter()
         kv = KVCache(self.k_pool, self.v_pool, table, np.maximum(size - 1, 0), page_size=self.page_size)
         d = self.draft

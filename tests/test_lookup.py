@@ -115,6 +115,26 @@ def test_step_costs_fit_calls_and_keep_the_prior_for_widths_never_run(rng):
     assert (np.diff(got) >= 0).all() and costs_lib.StepCosts(prior).ratios() is prior
 
 
+def test_a_flat_part_is_one_constant_at_every_width(rng):
+    """A step part that costs the same at every width (building trees, group bit 1 in
+    `flat`): calls where it ran only at widths 1 and 2 still price it at widths 4 and 8, as
+    the width's cost plus the constant the calls measured."""
+    true = np.array([1.0, 1.2, 1.6, 2.4, 4.0]) * 1e-3   # seconds per step without the part
+    built = 0.4e-3                                       # the part's seconds per step
+    prior = np.array([1.0, 1.1, 1.5, 3.0, 5.0])
+    costs = costs_lib.StepCosts(np.concatenate([prior, prior + 0.15]), groups=2, flat=1)
+    costs.observe(np.array([16.0] + [0] * 9), 30.0)  # compiled: not timed
+    for _ in range(40):
+        counts = np.zeros(10)
+        built_steps = rng.integers(4, 33)  # (a fixed number a call would not tell the part from the widths)
+        counts[:4] = rng.multinomial(64 - built_steps, rng.dirichlet(np.ones(4)))
+        counts[5:7] = rng.multinomial(built_steps, rng.dirichlet(np.ones(2)))
+        costs.observe(counts, counts @ np.concatenate([true, true + built]) + rng.normal(0, 2e-5))
+    got = costs.ratios().reshape(2, 5)
+    np.testing.assert_allclose(got[0, :4], true[:4] / true[0], rtol=0.06)
+    np.testing.assert_allclose(got[1, :4], (true[:4] + built) / true[0], rtol=0.06)
+
+
 def test_one_slow_call_does_not_set_a_widths_cost(rng):
     """Calls at the prior's costs, then one four times slower that ran only width 8: the
     fitted ratios stay near the prior's instead of following that call."""
