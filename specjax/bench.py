@@ -727,7 +727,8 @@ def tree_markdown(results: dict[str, Any]) -> str:
             "tree: tok/step / speedup / over the chain", "auto: the same", "tree: non-first branch taken",
             "tree: verified per token", "auto: steps on a tree"]
     return ("\nTrees against chains at the same verify width (a tree has at most as many nodes as the chain "
-            "has drafts; \"auto\" drafts whichever shape has held deeper, per row and round). \"Over the chain\" "
+            "has drafts; \"auto\" drafts, per row and round, the tree where it has held deeper and is worth its "
+            "build, else the chain). \"Over the chain\" "
             "is the median of per-run ratios of the chain's decode time to the tree's (each run next to the "
             "chain's on the same prompt), with their range:\n\n"
             + "| " + " | ".join(head) + " |\n" + "|" + "---|" * len(head) + "\n" + "\n".join(lines) + "\n")
