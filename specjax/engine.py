@@ -534,7 +534,8 @@ class Engine:
                   else tree_cost(rows, ratio, *shape) if kind == "tree" else build_cost(rows, ratio)
                   for kind, ratio, *shape in self.model_costs]
         groups = 1 << len(extras)
-        flat = sum(1 << i for i, (kind, *_) in enumerate(self.model_costs) if kind == "build")  # (any width: `build_cost`)
+        # (a build costs the same at every width: `build_cost`)
+        flat = sum(1 << i for i, (kind, *_) in enumerate(self.model_costs) if kind == "build")
         costs = self.costs.setdefault(key, StepCosts(prior_costs(rows, extras).reshape(-1), groups=groups, flat=flat))
         t0 = time.perf_counter()
         kv = KVCache(self.k_pool, self.v_pool, table, np.maximum(size - 1, 0), page_size=self.page_size)
