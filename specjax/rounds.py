@@ -456,6 +456,12 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             if d_nodes:
                 growable = growable & caught
         any_drafts = jnp.any(found > 0)
+        # the rows drafting each tree a round builds (lookup's trie of their matches, DFlash's ranked block tree)
+        tree_rows = {}
+        if t_nodes:
+            tree_rows["lookup"] = budgeted & ~hosted & (found > 0)
+            if f_nodes:
+                tree_rows["dflash"] = budgeted & ~drawn & (offered["dflash"] > 0)
         for name in models:
             any_drafts = any_drafts | jnp.any(offered[name] > 0)
         at = jnp.arange(rows)
@@ -469,10 +475,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 gains.append(jnp.sum(e * live[:, None], axis=0))
             gain = jnp.stack(gains) / costs[:, :len(widths)]
             if t_nodes:  # a round builds the trees where a row with a fixed budget drafts one, or an auto row's is due
-                wants = (found > 0) & ~hosted
-                if f_nodes:
-                    wants = wants | (~drawn & (offered["dflash"] > 0))
-                due = jnp.any(live & budgeted & wants & (~auto | (i % MEASURE_EVERY == 0)))
+                wants = tree_rows["lookup"] | tree_rows.get("dflash", False)
+                due = jnp.any(live & wants & (~auto | (i % MEASURE_EVERY == 0)))
                 gain = jnp.where(due & ((np.arange(subsets) & build_bit) == 0)[:, None], -jnp.inf, gain)
             best = jnp.argmax(gain.reshape(-1))
             pick = jnp.where(any_drafts, best % len(widths), 0)
@@ -516,8 +520,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             ran = (subset & bit["dflash"]) > 0
             # the block's ranked tree where a row builds it (`options` below), second children where a row
             # verifies a sampled tree
-            block_trees = budgeted & ~drawn & (offered["dflash"] > 0)  # rows building the block's tree if it runs
-            ranks = jnp.any(block_trees) & building if f_nodes else jnp.bool_(False)
+            ranks = jnp.any(tree_rows["dflash"]) & building if f_nodes else jnp.bool_(False)
             pairs = jnp.any(treeing["dflash"] & drawn) if f_nodes and sample_drafts else jnp.bool_(False)
             (block_drafts_, block_logq, block_ranked), fkv = steps.switch(ran.astype(jnp.int32), [no_block, block],
                                                                           fkv, last, kv.lengths, ranks, pairs)
@@ -550,7 +553,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             # (proposer, its candidates slot, its ranked nodes (made on demand), trie entries, the rows whose tree
             # is built, most nodes); each tree is built only in rounds where some row has one
             options = [("lookup", 0, lambda: jax.vmap(lambda h, s, b, e: lookup_tree(h, s, k, b, e, t_nodes))(
-                history, size, scores, ends), capacity(k), budgeted & ~hosted & (found > 0) & building,
+                history, size, scores, ends), capacity(k), tree_rows["lookup"] & building,
                         jnp.minimum(room[pick], limit))]
             if d_nodes:  # a draft model's tree, for rows that grew one
                 options.append(("draft", 1, lambda: draft_ranked, draft_tree_capacity(d_nodes), grown,
@@ -558,7 +561,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             if f_nodes:  # a DFlash block's tree, for rows whose drafts are not sampled
                 options.append(("dflash", len(candidates) - 1, lambda: block_ranked,
                                 tree_capacity(fk, f_nodes, MARKOV in fparams),
-                                block_trees & ran & building,
+                                tree_rows["dflash"] & ran & building,
                                 jnp.minimum(room[pick], offered["dflash"])))
             for name, at_c, ranked, cap, ready, most in options:
                 source = 0 if name == "lookup" else models.index(name) + 1
