@@ -61,16 +61,17 @@ class Speculation:
     One budget covers every proposer's trees; 0: chains.
 
     tree="auto": trees of up to SPAN - 1 nodes, but each round a row drafts, per proposer,
-    the shape whose drafts have held deeper: a round that verifies a shape measures how
-    deep it held (its drafts accepted), and a row's decayed mean of each shape picks the
-    shape and scales the tokens the chooser expects of that proposer's tree (`rounds.rounds`,
-    "shapes"); where the means are equal the chain is drafted. Building a lookup trie or a
-    DFlash block's tree is a step kind of its own in the fitted costs (as growing a draft
-    model's tree is), so a round builds them only where the tokens the trees are expected
-    to add pay for the build; every `rounds.MEASURE_EVERY`-th round a row verifies the
-    lookup / DFlash shape it has measured in fewer rounds (building the tree if need be),
-    so both depths stay measured. A draft model's tree is measured only in rounds that grow
-    it. Rows with sampled model drafts take those chains."""
+    the shape whose drafts have held deeper: every round that drafts both (lookup always,
+    DFlash when its block runs, a draft model when it grows its tree, whose greedy chain is
+    the chain's) measures how far each would have been accepted, as far as the committed
+    tokens decide, and a row's mean of each (decayed) picks the shape and scales the tokens
+    the chooser expects of that proposer's tree (`rounds.rounds`, "shapes"); where the
+    means are equal the chain is drafted. Building a lookup trie or a DFlash block's tree
+    is a step kind of its own in the fitted costs (as growing a draft model's tree is), so
+    a round builds them only where the tokens the trees are expected to add pay for the
+    build, and otherwise every `rounds.MEASURE_EVERY`-th round, to keep measuring how deep
+    they hold; a draft model's tree is measured only in rounds that grow it. Rows with
+    sampled model drafts take those chains."""
 
     k: int = 15
     max_ngram: int = 3

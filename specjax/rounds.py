@@ -76,14 +76,11 @@ SOURCES = ("lookup", "draft", "dflash")  # where a round's drafts came from (loo
 
 CHAIN, TREE = 0, 1  # the two shapes of a row's drafts, as the "shapes" state indexes them
 SHAPE_PRIOR = 1.0  # prior accepted depth of either shape, worth PSEUDO rounds: a tie (`rounds` breaks it)
-# except a draft model's tree, measured only in the rounds that grow it, whose draft steps cost more than the
-# chain's: its prior has a row try it where a quarter deeper acceptance would pay
+# except a draft model's tree, measured (with the chain it holds) only in the rounds that grow it, whose draft
+# steps cost more than the chain's: its prior has a row try it where a quarter deeper acceptance would pay
 GROWN_PRIOR = 1.25
-# A shape's depth is measured only in rounds that verify it: there it is exact (the drafts accepted), while the
-# other shape's is censored at the tokens committed (one more than the verified shape's depth, however much
-# deeper it would have held), which biased the comparison toward the shape in use. So every MEASURE_EVERY-th
-# round an auto row verifies whichever of its lookup / DFlash chain and tree has been measured in fewer
-# (decayed) rounds, building the tree for it if need be; the rounds between verify the shape that pays.
+# an auto row that drafts the chain still has its lookup / DFlash tree built every MEASURE_EVERY-th round, so
+# the depth its tree would hold stays measured while the rounds between skip the build's cost
 MEASURE_EVERY = 4
 
 
@@ -246,8 +243,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     (`new_state`) {"accepted", "judged"} [R, 2, columns(max_ngram)]: decayed counts of
     first / later drafts per lookup match length, of the draft model, of host drafts and
     of DFlash, and "shapes" [R, SOURCES, (CHAIN, TREE), 2]: for rows with a tree budget,
-    decayed sums of the depth each shape of a proposer's drafts held in the rounds that
-    verified it (`_fold_shapes`) and those rounds; given: host
+    decayed sums of the depth each shape of a proposer's drafts held (`_fold_shapes`) and
+    the rounds summed; given: host
     drafts (drafts [R, k], count [R], -1 for rows without) that replace those rows' lookup
     drafts (a proposer written in Python; one round a call); costs [2^M, widths]: t(W) /
     t(1) of a step of R rows for each subset of the M step parts present (bit 0 the
@@ -277,11 +274,10 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     subset bit after the models'): a round grows trees or runs the chain or both as it
     expects most tokens per second; so is building the lookup tries and DFlash trees, which a
     round does where a row with a fixed budget drafts one, where the trees' expected extra
-    tokens pay for the build, and where an auto row measures its tree. row_auto [R]
+    tokens pay for the build, and every MEASURE_EVERY-th round for auto rows. row_auto [R]
     (with row_tree): rows whose shape the chooser picks each round, per proposer: the tree
     where the depth its trees held is more than the chain's (`_shape_means`) and the round
-    builds it (every MEASURE_EVERY-th round, for lookup and DFlash: the shape measured in
-    fewer rounds), for the draft model where the tree is expected to give more tokens per second
+    builds it, for the draft model where the tree is expected to give more tokens per second
     (more tokens, in a round that runs both), else the chain; rows with sampled model drafts
     take that proposer's chain (a sampled tree's depth is not decided by the committed
     tokens).
@@ -390,7 +386,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         # their expected tokens in such rounds (the chain's scaled by the ratio of the depths the shapes held)
         treeing, budgeted = {}, (row_tree > 0) if t_nodes else jnp.zeros(rows, bool)
         auto = jnp.zeros(rows, bool) if row_auto is None else row_auto
-        built_e, measuring = {}, (i % MEASURE_EVERY == 0)
+        built_e = {}
         if t_nodes:
             means = _shape_means(state)
             for name, there in (("lookup", True), ("dflash", bool(f_nodes))):
@@ -398,10 +394,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                     continue
                 j = SOURCES.index(name)
                 tree_mean, chain_mean = means[:, j, TREE], means[:, j, CHAIN]  # a tie drafts the chain
-                measured = state["shapes"][:, j, :, 1]  # a tie measures the tree
-                picked = jnp.where(measuring, measured[:, TREE] <= measured[:, CHAIN], tree_mean > chain_mean)
                 may = ~hosted if name == "lookup" else jnp.ones(rows, bool)
-                picked = picked if name == "lookup" else picked & ~drawn
+                picked = tree_mean > chain_mean if name == "lookup" else (tree_mean > chain_mean) & ~drawn
                 treeing[name] = budgeted & may & jnp.where(auto, picked, True)  # (a sampled tree's depth is unmeasured)
                 gain = jnp.where(treeing[name], tree_mean / chain_mean, 1.0)[:, None]
                 built_e[name] = 1.0 + ((e_l if name == "lookup" else expect[name]) - 1.0) * gain
@@ -480,10 +474,9 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                     e = jnp.maximum(e, e_m)
                 gains.append(jnp.sum(e * live[:, None], axis=0))
             gain = jnp.stack(gains) / costs[:, :len(widths)]
-            if t_nodes:  # a round builds the trees where a row with a fixed budget drafts one, or measures one
-                due = jnp.any(live & ((tree_rows["lookup"] & treeing["lookup"])
-                                      | (tree_rows.get("dflash", False) & treeing.get("dflash", False)))
-                              & (~auto | measuring))
+            if t_nodes:  # a round builds the trees where a row with a fixed budget drafts one, or an auto row's is due
+                wants = tree_rows["lookup"] | tree_rows.get("dflash", False)
+                due = jnp.any(live & wants & (~auto | (i % MEASURE_EVERY == 0)))
                 gain = jnp.where(due & ((np.arange(subsets) & build_bit) == 0)[:, None], -jnp.inf, gain)
             best = jnp.argmax(gain.reshape(-1))
             pick = jnp.where(any_drafts, best % len(widths), 0)
@@ -543,7 +536,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             deepest = jnp.max(jnp.where(grown, jnp.minimum(jnp.minimum(room[pick], offered["draft"]), row_tree), 0))
             (draft_ranked, greedy, greedy_n, fed_nodes), dkv = steps.switch(
                 jnp.any(grown).astype(jnp.int32), [no_grow, grow], dkv, logits, size, jnp.maximum(deepest - 1, 0))
-        verified = jnp.zeros(rows, bool)  # rows verifying a tree
+        built, verified = {}, jnp.zeros(rows, bool)  # trees the committed tokens will judge; rows verifying one
         ranked_built = jnp.bool_(False)  # whether the round built a lookup trie or a DFlash block's tree
         chained = False
         if dcfg is not None:  # its chain, once before the step, when the round uses it and some row takes it
@@ -577,6 +570,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                 build = partial(_arranged, ranked, jnp.where(ready, jnp.minimum(most, row_tree), 0), cap)
                 t_drafts, t_parents, t_main, t_n = jax.lax.cond(jnp.any(ready), build, partial(steps.zeros_of, build))
                 nodes = t_drafts.shape[1]
+                built[name] = (t_drafts, t_parents, t_n, ready)
                 if name != "draft":
                     ranked_built = ranked_built | jnp.any(ready)
                 verified = verified | treed
@@ -660,13 +654,17 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             block_n = jnp.where(((subset & bit["dflash"]) > 0) & live, jnp.minimum(offered["dflash"], judged), 0)
             state = _score(state, jnp.full((rows,), column["dflash"], jnp.int32), block_drafts_, block_n, out, count,
                            jnp.where(block_n > 0, ACCEPT_DECAY, 1.0))
-        if t_nodes:  # the depth held by the shape a row verified, from the proposer it took (exact: its drafts accepted)
-            for name, there in (("lookup", True), ("draft", bool(d_nodes)), ("dflash", bool(f_nodes))):
-                if there:
-                    took = (src == (0 if name == "lookup" else models.index(name) + 1)) & (n > 0) & (count > 0)
-                    took = took & ~hosted if name == "lookup" else took
-                    state = _fold_shapes(state, SOURCES.index(name), count - 1, took & ~verified, count - 1,
-                                         took & verified)
+        if t_nodes:  # the depth each shape held, where the committed tokens decide both (a draft chain round: its own)
+            chains = {"lookup": (lookup_drafts, jnp.minimum(found, judged))}
+            if d_nodes:
+                chains["draft"] = (greedy, jnp.minimum(jnp.minimum(room[pick], limit), greedy_n))
+            if f_nodes:
+                chains["dflash"] = (block_drafts_, jnp.minimum(offered["dflash"], judged))
+            for name, (t_drafts, t_parents, t_n, ready) in built.items():
+                c_drafts, c_n = chains[name]
+                ready = ready & (count > 0)
+                state = _fold_shapes(state, SOURCES.index(name), _held(c_drafts, c_n, out, count), ready,
+                                     _tree_held(t_drafts, t_parents, t_n, out, count), ready)
         history = jax.vmap(lambda h, o, s: jax.lax.dynamic_update_slice(h, o, (s,)))(history, out, size)
         committed = jnp.arange(SPAN)[None, :] < count[:, None]
         stopped = stopped | jnp.any(committed[:, :, None] & (out[:, :, None] == stops[:, None, :]), axis=(1, 2))
@@ -713,6 +711,24 @@ def _fold_shapes(state: dict, source: int, chain: jax.Array, chain_known: jax.Ar
         new = jnp.stack([old[:, 0] * ACCEPT_DECAY + held, old[:, 1] * ACCEPT_DECAY + 1.0], axis=1)
         shapes = shapes.at[:, source, shape].set(jnp.where(known[:, None], new, old))
     return {**state, "shapes": shapes}
+
+
+def _held(drafts: jax.Array, n: jax.Array, out: jax.Array, count: jax.Array) -> jax.Array:
+    """[R] how many of a chain's first n drafts [R, K] the committed tokens out[:, :count]
+    hold: those a step verifying the chain would have accepted, as far as count decides."""
+    k = drafts.shape[1]
+    hit = (drafts == out[:, :k]) & (jnp.arange(k)[None, :] < n[:, None])
+    return jnp.minimum(jnp.sum(jnp.cumprod(hit.astype(jnp.int32), axis=1), axis=1), count)
+
+
+def _tree_held(drafts: jax.Array, parents: jax.Array, n: jax.Array, out: jax.Array, count: jax.Array) -> jax.Array:
+    """[R] the depth of a tree (`trees.arrange`: drafts [R, N], parents [R, N + 1] with the
+    root first, n nodes) that the committed tokens out[:, :count] hold: the walk with
+    out[d] as the target's token after every node at depth d, as far as count decides."""
+    tokens = jnp.concatenate([jnp.zeros_like(drafts[:, :1]), drafts], axis=1)
+    depth = trees.depths(parents)
+    _, held = trees.walk(tokens, parents, n, jnp.take_along_axis(out, jnp.minimum(depth, out.shape[1] - 1), axis=1))
+    return jnp.minimum(held, count)
 
 
 def _arranged(ranked: Callable[[], dict], n: jax.Array, capacity: int):

@@ -73,6 +73,37 @@ def test_walk_follows_the_target_token_from_the_root(rng, shape):
         assert list(np.asarray(path[r, len(want):])) == list(range(len(want), w))  # padded with the ids
 
 
+def test_held_depths_are_the_longest_drafted_prefix_of_the_committed_tokens(rng):
+    """`rounds._held` / `_tree_held`: the deepest chain prefix / tree path whose tokens
+    are a prefix of the committed tokens out[:count], by enumerating every node's path."""
+    from specjax.rounds import _held, _tree_held
+
+    rows, w = 256, 10
+    parents = np.stack([_random_parents(rng, w + 1) for _ in range(rows)])
+    tokens = np.zeros((rows, w + 1), np.int32)
+    for r in range(rows):  # siblings distinct, from a small alphabet so paths often match
+        for i in range(1, w + 1):
+            taken = {tokens[r, j] for j in range(1, i) if parents[r, j] == parents[r, i]}
+            tokens[r, i] = rng.choice([t for t in range(3) if t not in taken] or [9 + i])
+    out = rng.integers(0, 3, (rows, 16)).astype(np.int32)
+    count = rng.integers(1, 8, rows).astype(np.int32)
+    n = rng.integers(0, w + 1, rows).astype(np.int32)
+    chain = rng.integers(0, 2, (rows, w)).astype(np.int32)
+    got_tree = np.asarray(_tree_held(jnp.asarray(tokens[:, 1:]), jnp.asarray(parents), jnp.asarray(n),
+                                     jnp.asarray(out), jnp.asarray(count)))
+    got_chain = np.asarray(_held(jnp.asarray(chain), jnp.asarray(n), jnp.asarray(out), jnp.asarray(count)))
+    for r in range(rows):
+        known = list(out[r, :count[r]])
+        deepest = 0
+        for i in range(1, n[r] + 1):
+            path = [int(tokens[r, j]) for j in _path_to(parents[r], i)[1:]]
+            if path == known[:len(path)]:
+                deepest = max(deepest, len(path))
+        assert got_tree[r] == deepest
+        held = next((j for j in range(n[r]) if j >= count[r] or chain[r, j] != out[r, j]), n[r])
+        assert got_chain[r] == held
+
+
 def _trie_reference(history: np.ndarray, size: int, k: int, max_ngram: int, min_ngram: int):
     """The lookup trie by brute force: {token path tuple: (its continuations' match lengths,
     first sequence, depth)}."""
