@@ -294,7 +294,9 @@ class Packed:
     and `unpack` return.
 
     An int8 weight (`quantize`) has int8 panels and `scales` [ceil(N/P), ceil(D/32), P]:
-    its value at (n, k) is float32(q) * scale of (n, k // 32), rounded to float32."""
+    its value at (n, k) is q * scale of (n, k // 32) (`unpack` and `rows` round it to
+    float32); the kernel sums x * q over each block of 32 columns, then adds the sum times
+    its scale to the output."""
 
     panels: jax.Array
     n: int = dataclasses.field(metadata={"static": True})

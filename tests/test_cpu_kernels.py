@@ -2,6 +2,8 @@
 random pools with shuffled page tables; its T-invariance; and the fallback."""
 
 import json
+import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -129,9 +131,11 @@ def test_matmul_matches_numpy(rng, m, d, n):
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-4, atol=1e-4)
 
 
-def test_matmul_rows_get_the_same_bits_alone_or_together(rng):
+@pytest.mark.parametrize("stored", ["float32", "int8"])
+def test_matmul_rows_get_the_same_bits_alone_or_together(rng, stored):
     x = rng.standard_normal((3, 8, 256)).astype(np.float32)  # [..., D]: leading axes flattened
-    w = _packed(rng.standard_normal((300, 256)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((300, 256)).astype(np.float32))
+    w = cpu_kernels.pack(w) if stored == "float32" else cpu_kernels.quantize(w)
     together = np.asarray(cpu_kernels.matmul(x, w))
     assert together.shape == (3, 8, 300)
     for i in (0, 1, 2):
@@ -218,11 +222,30 @@ def test_16_bit_panels_give_the_bits_of_the_same_weights_in_float32(rng, dtype, 
     np.testing.assert_array_equal(np.asarray(head.unpack()), widened[np.asarray(ids)])
 
 
+def _round32(v: Fraction) -> float:
+    """v rounded to the nearest float32, ties to even (normal range)."""
+    if v == 0:
+        return 0.0
+    e = math.floor(math.log2(abs(v)))
+    e += abs(v) >= Fraction(2) ** (e + 1)  # (log2 of a huge or tiny fraction may be off by one)
+    e -= abs(v) < Fraction(2) ** e
+    step = Fraction(2) ** (e - 23)
+    return float(round(v / step) * step)
+
+
+def _fma32(a: float, b: float, c: float) -> float:
+    """float32 fused multiply-add: a * b + c rounded once."""
+    return _round32(Fraction(a) * Fraction(b) + Fraction(c))
+
+
 @pytest.mark.parametrize("m,d,n", [(1, 64, 100), (8, 40, 33), (13, 96, 64)])
 def test_int8_weights_round_trip_within_half_a_scale_and_compute_their_values(rng, m, d, n):
     """quantize: each value within scale / 2 of the weight (scale = block max |w| / 127, a
     block of 32 columns, D = 40: a partial one; a zero block stays zero); the kernel on int8
-    panels is bitwise the float32 kernel on the dequantized weights."""
+    panels computes, for each output, the FMA chain of x against q over each block, then
+    adds that block sum times its scale to the output with one more FMA: bitwise an exact
+    re-derivation (in fractions) for a few outputs of every row, and near the float64
+    product of x and the dequantized weights everywhere."""
     w = rng.standard_normal((n, d)).astype(np.float32) * rng.uniform(0.01, 3, (n, 1)).astype(np.float32)
     w[0, :32] = 0.0
     q = cpu_kernels.quantize(jnp.asarray(w))
@@ -236,9 +259,20 @@ def test_int8_weights_round_trip_within_half_a_scale_and_compute_their_values(rn
         # scales, about 3e-5 scale at most; seen: 1.0e-6), far below the full step a wrong q costs
         assert (np.abs(deq[:, sl] - w[:, sl]) <= scale * (0.5 + 2.0 ** -15) + 1e-30).all()
     assert not deq[0, :32].any()
-    x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
-    got = np.asarray(jax.jit(cpu_kernels.matmul)(x, q))
-    np.testing.assert_array_equal(got, np.asarray(cpu_kernels.matmul(x, _packed(deq))))
+    x = np.asarray(rng.standard_normal((m, d)), np.float32)
+    got = np.asarray(jax.jit(cpu_kernels.matmul)(jnp.asarray(x), q))
+    np.testing.assert_allclose(got, x.astype(np.float64) @ deq.astype(np.float64).T, rtol=1e-4, atol=1e-4)
+    ints = np.swapaxes(np.asarray(q.panels), 1, 2).reshape(-1, d)[:n].astype(np.float64)
+    scales = np.swapaxes(np.asarray(q.scales), 1, 2).reshape(-1, len(blocks))[:n].astype(np.float64)
+    for j in (0, 1, n // 2, n - 1):
+        for r in range(m):
+            out = 0.0
+            for b, sl in enumerate(blocks):
+                part = 0.0
+                for k in range(sl.start, sl.stop):
+                    part = _fma32(float(x[r, k]), ints[j, k], part)
+                out = _fma32(part, scales[j, b], out)
+            assert got[r, j] == np.float32(out), (r, j)
     ids = jnp.asarray([0, 5, n - 1])
     np.testing.assert_array_equal(np.asarray(cpu_kernels.rows(q, ids)), deq[np.asarray(ids)])
     head = cpu_kernels.select(q, ids)

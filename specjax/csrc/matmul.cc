@@ -51,7 +51,8 @@ constexpr int64_t kBlock = 32;  // columns per int8 scale (llama.cpp's q8_0 bloc
 // accumulators a row, plus its four lines and a broadcast, fit AVX-512's 32 vector
 // registers up to 6 rows; at 7 and 8 rows GCC keeps a few accumulators on the stack (in
 // L1), which still beats two passes over the panel (8-20 % at 7 and 8 rows, float32,
-// bfloat16 and int8 panels: docs/performance.md, section 3).
+// bfloat16 and int8 panels: docs/performance.md, section 3). (int8 passes keep a block sum
+// beside each accumulator: more of them on the stack from 3 rows on.)
 typedef float Line __attribute__((vector_size(64)));
 constexpr int kRows = 8;
 constexpr int64_t kPanel = 64;  // a unit's four lines side by side: one stream
@@ -70,7 +71,6 @@ inline Line WidenLine(const int8_t* p) {
 }
 inline Line Splat(float x) { return (Line)_mm512_set1_ps(x); }
 inline Line Fma(Line a, Line b, Line c) { return (Line)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
-inline Line Scale(Line a, Line s) { return a * s; }
 inline void StoreLine(float* p, Line a) { _mm512_storeu_ps(p, (__m512)a); }
 inline float Lane(Line a, int64_t j) { return a[j]; }
 #else
@@ -101,7 +101,6 @@ inline Line Splat(float x) {
   return {v, v};
 }
 inline Line Fma(Line a, Line b, Line c) { return {specjax::Fma(a.lo, b.lo, c.lo), specjax::Fma(a.hi, b.hi, c.hi)}; }
-inline Line Scale(Line a, Line s) { return {a.lo * s.lo, a.hi * s.hi}; }
 inline void StoreLine(float* p, Line a) { specjax::Store(p, a.lo), specjax::Store(p + 8, a.hi); }
 inline float Lane(Line a, int64_t j) { return j < 8 ? a.lo[j] : a.hi[j - 8]; }
 #endif
@@ -124,8 +123,10 @@ constexpr int LinesPerPass(int m) {
 // weights stream past. Line g's column k is at w + (g / L) * D * kPanel + k * kPanel +
 // (g % L) * 16 for L = kPanel / 16 lines per panel. int8 panels (q8:
 // cpu_kernels.quantize) come with scales [P, ceil(D/32), kPanel], one per output and block
-// of 32 columns: the weight is q * scale, rounded to float32 as NumPy's q * scale is, then
-// the same FMA chain.
+// of 32 columns: each block's FMA chain runs over q as float32 (exact) into a sum of its
+// own, which one more FMA scales into the output's chain (llama.cpp's q8_0 kernels scale a
+// block's dot product the same way); a multiply per column and line less than scaling each
+// weight first.
 template <typename W, int M, int NL>
 void Lines(const float* x, const W* w, const float* scales, float* y, int64_t D, int64_t N, int64_t g0) {
   constexpr bool kQ8 = std::is_same_v<W, int8_t>;
@@ -138,28 +139,31 @@ void Lines(const float* x, const W* w, const float* scales, float* y, int64_t D,
     line0[q] = w + (g / L) * D * kPanel + (g % L) * kLine;
     scale0[q] = (g / L) * blocks * kPanel + (g % L) * kLine;
   }
-  Line acc[NL][M];
+  Line acc[NL][M], block[NL][M];
   for (int q = 0; q < NL; ++q)
     for (int m = 0; m < M; ++m) acc[q][m] = Line{};
+  auto& sum = kQ8 ? block : acc;  // where the column FMAs go
   for (int64_t k0 = 0; k0 < D; k0 += kBlock) {
-    Line scale[NL];
-    for (int q = 0; q < NL; ++q) {
-      scale[q] = Line{};
-      if constexpr (kQ8) scale[q] = LoadLine(scales + scale0[q] + (k0 / kBlock) * kPanel);
-    }
+    if constexpr (kQ8)
+      for (int q = 0; q < NL; ++q)
+        for (int m = 0; m < M; ++m) block[q][m] = Line{};
     for (int64_t k = k0; k < std::min(D, k0 + kBlock); ++k) {
       Line line[NL];
       for (int q = 0; q < NL; ++q) {
         if constexpr (L == 1)  // separate streams: fetched ahead (4 kB: 2 and 8 kB were slower)
           __builtin_prefetch(line0[q] + (k + 4096 / int64_t{sizeof(W) * kPanel}) * kPanel, 0, 0);
         line[q] = WidenLine(line0[q] + k * kPanel);
-        if constexpr (kQ8) line[q] = Scale(line[q], scale[q]);
       }
       for (int m = 0; m < M; ++m) {
         const Line xs = Splat(x[m * D + k]);
-        for (int q = 0; q < NL; ++q) acc[q][m] = Fma(xs, line[q], acc[q][m]);
+        for (int q = 0; q < NL; ++q) sum[q][m] = Fma(xs, line[q], sum[q][m]);
       }
     }
+    if constexpr (kQ8)
+      for (int q = 0; q < NL; ++q) {
+        const Line scale = LoadLine(scales + scale0[q] + (k0 / kBlock) * kPanel);
+        for (int m = 0; m < M; ++m) acc[q][m] = Fma(block[q][m], scale, acc[q][m]);
+      }
   }
   for (int q = 0; q < NL; ++q) {
     const int64_t n0 = (g0 + q) * kLine;
