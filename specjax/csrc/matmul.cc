@@ -52,7 +52,7 @@ constexpr int64_t kBlock = 32;  // columns per int8 scale (llama.cpp's q8_0 bloc
 // registers up to 6 rows; at 7 and 8 rows GCC keeps a few accumulators on the stack (in
 // L1), which still beats two passes over the panel (8-20 % at 7 and 8 rows, float32,
 // bfloat16 and int8 panels: docs/performance.md, section 3). (int8 passes keep a block sum
-// beside each accumulator: more of them on the stack from 3 rows on.)
+// beside each accumulator: more of them on the stack from 4 rows on.)
 typedef float Line __attribute__((vector_size(64)));
 constexpr int kRows = 8;
 constexpr int64_t kPanel = 64;  // a unit's four lines side by side: one stream
