@@ -299,9 +299,10 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     d_nodes = min(tree, k) if dcfg is not None else 0
     grow_bit = 1 << len(models) if d_nodes else 0  # the subset bit of rounds growing draft-model trees
     t_nodes = min(tree, k)  # a tree has at most as many nodes as a chain has drafts
+    unbuilt = (1 << len(models)) * (2 if d_nodes else 1)  # subsets of the parts before the build bit
     # the subset bit of rounds building a lookup trie or a DFlash block's tree (`_arranged`)
-    build_bit = (1 << len(models)) * (2 if d_nodes else 1) if t_nodes else 0
-    subsets = (1 << len(models)) * (2 if d_nodes else 1) * (2 if t_nodes else 1)
+    build_bit = unbuilt if t_nodes else 0
+    subsets = unbuilt * (2 if t_nodes else 1)
     column = {"draft": max_ngram + DRAFT_COLUMN, "dflash": max_ngram + DFLASH_COLUMN}
     use_col = {"draft": 1, "dflash": 2}
     codes = jnp.array([0] + [SOURCES.index(m) for m in models], jnp.int32)  # row's src -> SOURCES index
