@@ -128,6 +128,28 @@ def _methods(cfg: BenchConfig, target: Model) -> list[tuple[str, int, Any]]:
     return rows
 
 
+def run_order(keys: list[str], partners: dict[str, str], rep: int) -> list[str]:
+    """The order in which one rep runs a cell's rows `keys`: each row of `partners` (a
+    llama.cpp row -> the specjax row it is compared with, `llamacpp.partner`) right after
+    that row on odd reps and right before it on even ones, so that the machine's drift
+    between the two cancels over the reps instead of favouring one engine; the others as
+    listed. A partner that is not in `keys` leaves its rows where they are."""
+    with_partner = {key for key, p in partners.items() if p in keys}
+    order = []
+    for key in keys:
+        if key in with_partner:
+            continue
+        group = [key] + [row for row in keys if row in with_partner and partners[row] == key]
+        order += group if rep % 2 else group[1:] + group[:1]
+    return order
+
+
+def _greedy_row(row: Callable[[list[int], int], dict[str, Any]], ids: list[int], seed: int, n: int
+                ) -> dict[str, Any]:
+    """A greedy-only row (`_llamacpp`'s run(ids, n)) called as the cell's rows are."""
+    return row(ids, n)
+
+
 def _ours(target: Model, proposer: Any, ids: list[int], n: int, sampling: Sampling, seed: int) -> dict[str, Any]:
     res = generate(target, ids, max_new_tokens=n, sampling=sampling, seed=seed, speculative=proposer, stop_ids=())
     s = res.stats
@@ -501,22 +523,22 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         for sname in cfg.samplings:
             sampling = SAMPLINGS[sname]
             log(f"[{kind} / {sname}] {len(prompts)} prompt(s) of ~{cfg.prompt_tokens} tokens, {cfg.new_tokens} new")
+            # each row: (ids, seed) -> its run (llama.cpp's rows and specjax's on their weights: greedy cells)
+            rows: dict[str, Callable[[list[int], int], dict[str, Any]]] = {
+                f"{name}:{k}": functools.partial(_ours, target, prop, n=cfg.new_tokens, sampling=sampling)
+                for name, k, prop in methods}
+            rows.update({f"{name}:0": functools.partial(hf, name, n=cfg.new_tokens, sampling=sampling)
+                         for name in hf_methods})
+            lc = dict(lc_rows) if sname == "greedy" else {}
+            rows.update({key: functools.partial(_greedy_row, row, n=cfg.new_tokens) for key, row in lc.items()})
+            partners = {key: p for key in lc if (p := llamacpp.partner(key, lc_tags)) is not None}
             runs: dict[str, list[dict]] = {}
             for pi, prompt in enumerate(prompts):
                 for rep in range(cfg.reps + 1):  # rep 0 is the warm-up
-                    seed = 1000 * pi + rep
-                    for name, k, prop in methods:
-                        r = _ours(target, prop, prompt.ids, cfg.new_tokens, sampling, seed)
-                        r["rss_mb"] = _rss_mb()
-                        if rep:
-                            runs.setdefault(f"{name}:{k}", []).append(r)
-                    for name in hf_methods:
-                        r = hf(name, prompt.ids, cfg.new_tokens, sampling, seed)
-                        if rep:
-                            runs.setdefault(f"{name}:0", []).append(r)
-                    for key, row in lc_rows if sname == "greedy" else ():
-                        r = row(prompt.ids, cfg.new_tokens)
-                        r["rss_mb"] = _rss_mb()
+                    for key in run_order(list(rows), partners, rep):
+                        r = rows[key](prompt.ids, seed=1000 * pi + rep)
+                        if not key.startswith("hf-"):
+                            r["rss_mb"] = _rss_mb()
                         if rep:
                             runs.setdefault(key, []).append(r)
             cell = _summarise(kind, sname, runs)

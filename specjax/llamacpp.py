@@ -115,6 +115,19 @@ def key(gguf_type: str, k: int) -> str:
     return f"llamacpp-plain@{gguf_type}:0" if k == 0 else f"llamacpp-lookup@{gguf_type}:{k}"
 
 
+def partner(row: str, tags: dict[str, str | None]) -> str | None:
+    """The specjax row a llama.cpp row (`key`) is timed next to, so that the two share the
+    machine's state of the moment: plain decoding on the same weights next to llama.cpp's
+    plain decoding, prompt lookup next to its lookup. `tags`: each GGUF type's tag of
+    specjax's rows on those weights (`summarise`). None for a type specjax has no weights
+    for, and for a row that is not llama.cpp's."""
+    name, _, k = row.partition(":")
+    method, _, gguf_type = name.partition("@")
+    if method not in ("llamacpp-plain", "llamacpp-lookup") or tags.get(gguf_type) is None:
+        return None
+    return f"{method.removeprefix('llamacpp-')}{tags[gguf_type]}:0"
+
+
 def cache_type(gguf_type: str) -> str:
     """The KV cache llama.cpp runs a file of this type with: f32 for the f32 file, as
     specjax's f32 rows keep theirs (llama.cpp's default f16 cache would round keys and
@@ -267,8 +280,9 @@ def markdown(results: dict[str, Any]) -> str:
     lines = ["", "### llama.cpp in the same run", "",
              f"llama.cpp through llama-cpp-python {info['version']} on GGUF files made by llama.cpp's converter "
              f"from this checkpoint, {_threads(info)}; greedy, the same token ids to "
-             "both, decode tok/s after prefill (medians over runs). `vs llama.cpp plain` is the median of "
-             "per-run speed ratios against llama.cpp's plain decoding on the same weights. specjax's q8_0 row is "
+             "both, decode tok/s after prefill (medians over runs). Each llama.cpp row runs beside specjax's row of "
+             "its kind on its weights, after it in odd runs and before it in even ones. `vs llama.cpp plain` is "
+             "the median of per-run speed ratios against llama.cpp's plain decoding on the same weights. specjax's q8_0 row is "
              "its int8 weights (`load(dtype=\"int8\")`: llama.cpp's q8_0 blocks, activations kept in f32). "
              + _caches(info["caches"]), "",
              "| workload | weights | engine | method | tok/s | vs llama.cpp plain | tokens = specjax plain |",

@@ -174,6 +174,26 @@ def test_the_comparison_reports_what_the_runs_say():
     assert llamacpp.first_difference([1, 2], [1, 2, 3]) == 2 and llamacpp.first_difference([5], [5]) is None
 
 
+def test_llamacpp_rows_run_next_to_the_specjax_row_they_are_compared_with():
+    """Each llama.cpp row runs beside specjax's row on the same weights (plain by plain,
+    lookup by lookup): after it on odd reps, before it on even ones; a type specjax has no
+    weights for keeps its rows at the end, and the other rows keep their order."""
+    tags = {"f32": "@f32", "bf16": "", "f16": None}
+    lp, ll = llamacpp.key("bf16", 0), llamacpp.key("bf16", 7)
+    fp, fl = llamacpp.key("f32", 0), llamacpp.key("f32", 4)
+    hp = llamacpp.key("f16", 0)
+    keys = ["plain:0", "ngram:3", "lookup:0", "lookup-tree:7", "plain@f32:0", "lookup@f32:0", fp, fl, lp, ll, hp]
+    partners = {key: p for key in keys if (p := llamacpp.partner(key, tags)) is not None}
+    assert partners == {lp: "plain:0", ll: "lookup:0", fp: "plain@f32:0", fl: "lookup@f32:0"}
+    assert bench.run_order(keys, partners, 1) == ["plain:0", lp, "ngram:3", "lookup:0", ll, "lookup-tree:7",
+                                                  "plain@f32:0", fp, "lookup@f32:0", fl, hp]
+    assert bench.run_order(keys, partners, 2) == [lp, "plain:0", "ngram:3", ll, "lookup:0", "lookup-tree:7",
+                                                  fp, "plain@f32:0", fl, "lookup@f32:0", hp]
+    # a sampled cell runs no llama.cpp rows; one without specjax's row keeps its llama.cpp row
+    assert bench.run_order(keys[:4], {}, 2) == keys[:4]
+    assert bench.run_order(["plain:0", fp], {fp: "plain@f32:0"}, 2) == ["plain:0", fp]
+
+
 # ---------------------------------------------------------------- with llama.cpp
 
 @pytest.fixture(scope="module")
