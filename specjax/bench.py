@@ -440,7 +440,8 @@ def block_profile(model: Model, drafter: Any, context: int = 512, behind: int = 
     taps = jnp.asarray(rng.normal(size=(1, len(f.target_layer_ids), pages, page, cfg.hidden_size)), model.dtype)
     fc = DFlashCache(KVCache(jnp.zeros(fshape, drafter.dtype), jnp.zeros(fshape, drafter.dtype), table,
                              jnp.zeros(1, jnp.int32), page_size=page), taps, jnp.zeros(1, jnp.int32))
-    head = None if drafter.vocab is None else draft_head(model.params, cfg, drafter.vocab)
+    head = None if drafter.vocab is None else draft_head(model.params, cfg, drafter.vocab,
+                                                             drafter.params.get(MARKOV))
     k = f.block_size - 1
     start, last = jnp.array([context], jnp.int32), jnp.array([1], jnp.int32)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -294,15 +295,36 @@ def write_context(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, taps: jax.A
     return fkv.replace(k=k_pool, v=v_pool)
 
 
-Head = tuple[jax.Array | cpu_kernels.Packed, jax.Array]  # (head rows [N, D], their token ids [N])
+class Head(NamedTuple):
+    """What a DFlash block is scored with when the drafter has a draft vocabulary of N
+    tokens (`draft_head`)."""
+
+    rows: jax.Array | cpu_kernels.Packed  # the target head's rows of the vocabulary [N, D]
+    ids: jax.Array  # their token ids [N]
+    # the drafter's Markov head over the vocabulary: w1 [V, r] (any previous token) and w2's
+    # rows of the vocabulary [N, r], taken once here rather than in every block pass; None
+    # for a drafter without one
+    markov: Params | None
 
 
-def draft_head(params: Params, cfg: Qwen3Config, vocab: np.ndarray) -> Head:
-    """The target head's rows of a draft vocabulary (stored as the head is: packed, in its
-    panels' dtype, where the CPU kernel runs) and the vocabulary's ids: what a DFlash block
-    is scored with when the drafter has one."""
+def draft_head(params: Params, cfg: Qwen3Config, vocab: np.ndarray, markov: Params | None) -> Head:
+    """The head of a draft vocabulary `vocab` (token ids): the target head's rows of it
+    (stored as the head is: packed, in its panels' dtype, where the CPU kernel runs), the
+    ids, and the drafter's Markov head `markov` (its params[MARKOV], or None) over it."""
     ids = jnp.asarray(vocab, jnp.int32)
-    return cpu_kernels.select(head_weight(params, cfg), ids), ids
+    over = None if markov is None else {"w1": markov["w1"], "w2": markov["w2"][ids]}
+    return Head(cpu_kernels.select(head_weight(params, cfg), ids), ids, over)
+
+
+def _markov_over(markov: Params, head: Head | None) -> Params:
+    """A drafter's Markov head over the vocabulary its block scores: as loaded, or a draft
+    vocabulary's (`Head.markov`)."""
+    if head is None:
+        return markov
+    if head.markov is None:
+        raise ValueError("the drafter has a Markov head: build its draft vocabulary's head with "
+                         "draft_head(..., markov=drafter.params[MARKOV])")
+    return head.markov
 
 
 def block_logits(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, params: Params, cfg: Qwen3Config,
@@ -319,7 +341,7 @@ def block_logits(fparams: Params, fcfg: DFlashConfig, fkv: KVCache, params: Para
             "model.norm.weight": fparams["norm.weight"]}
     h, fkv, _ = hidden_states(view, fcfg.layer_config, tokens, positions, fkv, sees=sees)
     h = h[:, 1:k + 1]
-    return (unembed(params, cfg, h) if head is None else project(head[0], h)), fkv
+    return (unembed(params, cfg, h) if head is None else project(head.rows, h)), fkv
 
 
 TREE_BRANCH = 2  # children a DFlash tree considers per node: the block row's top-2 tokens
@@ -369,7 +391,7 @@ def block_tree(logits: jax.Array, head: Head | None, nodes: int) -> dict:
     # log-softmax of the top tokens only (of the whole row, XLA fused it into every use: 2 ms)
     top, idx = cpu_kernels.top_k(x, TREE_BRANCH)
     lp = top - jax.nn.logsumexp(x, axis=-1)[..., None]
-    tok = (idx if head is None else head[1][idx]).astype(jnp.int32)  # [R, k, 2]
+    tok = (idx if head is None else head.ids[idx]).astype(jnp.int32)  # [R, k, 2]
     within = np.arange(k)[None, :] < depth[:, None]  # [C, k]: block rows on the path
     pick = jnp.where(jnp.asarray(second)[None], lp[:, None, :, 1], lp[:, None, :, 0])  # [R, C, k]
     score = jnp.sum(jnp.where(jnp.asarray(within)[None], pick, 0.0), axis=-1)
@@ -399,54 +421,58 @@ def markov_tree(markov: Params, logits: jax.Array, last: jax.Array, head: Head |
     "main" marks the argmax chain: the drafts `markov_drafts` chooses for a greedy row.
 
     logits [R, k, N]: `block_logits`' (unbiased; N: the vocabulary, or a draft
-    vocabulary whose ids `head` holds); last [R] the token before the block. Returns
+    vocabulary whose ids `head` holds, with its Markov head `head.markov` used in place of
+    `markov`, the drafter's params[MARKOV]); last [R] the token before the block. Returns
     {"token", "parent" (the parent's trie index, the root 0), "trie" (node i's: i + 1),
     "depth", "main", "valid"} each [R, nodes], over `tree_capacity(k, nodes, True)` trie
     entries."""
     rows, k, _ = logits.shape
     branch = min(MARKOV_BRANCH, logits.shape[-1])
     slots = branch * (nodes + 1)  # the root's children, then branch per node
-    w2 = markov["w2"] if head is None else markov["w2"][head[1]]
+    markov = _markov_over(markov, head)
     rowwise = jnp.arange(rows)
 
     def children(at: jax.Array, prev: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(log-softmax [R, branch], tokens [R, branch]) of block row `at` [R] after `prev` [R]."""
-        biased = logits[rowwise, at].astype(jnp.float32) + markov_bias({"w1": markov["w1"], "w2": w2}, prev)
+        biased = logits[rowwise, at].astype(jnp.float32) + markov_bias(markov, prev)
         top, idx = cpu_kernels.top_k(biased, branch)
-        tok = idx if head is None else head[1][idx]
+        tok = idx if head is None else head.ids[idx]
         return top - jax.nn.logsumexp(biased, axis=-1, keepdims=True), tok.astype(jnp.int32)
 
-    lp, tok = children(jnp.zeros(rows, jnp.int32), last.astype(jnp.int32))
     lane = jnp.arange(branch)
-    open_ = {"score": jnp.full((rows, slots), -jnp.inf, jnp.float32).at[:, :branch].set(lp),
-             "token": jnp.zeros((rows, slots), jnp.int32).at[:, :branch].set(tok),
-             "parent": jnp.zeros((rows, slots), jnp.int32),
-             "depth": jnp.ones((rows, slots), jnp.int32),
-             "main": jnp.zeros((rows, slots), bool).at[:, 0].set(True)}
-    out = {"token": jnp.zeros((rows, nodes), jnp.int32), "parent": jnp.zeros((rows, nodes), jnp.int32),
-           "depth": jnp.ones((rows, nodes), jnp.int32), "main": jnp.zeros((rows, nodes), bool),
-           "valid": jnp.zeros((rows, nodes), bool)}
+
+    def opened(tok: jax.Array, parent: jax.Array | int, depth: jax.Array, main: jax.Array) -> jax.Array:
+        """[R, branch, 4] the fields of candidates just opened (token, parent's trie index,
+        depth, on the main chain), one int32 array so a step moves them in one op."""
+        shape = (rows, branch)
+        return jnp.stack([tok, jnp.broadcast_to(parent, shape), jnp.broadcast_to(depth[:, None], shape),
+                          (main[:, None] & (lane == 0)[None, :]).astype(jnp.int32)], axis=-1)
+
+    lp, tok = children(jnp.zeros(rows, jnp.int32), last.astype(jnp.int32))
+    score = jnp.full((rows, slots), -jnp.inf, jnp.float32).at[:, :branch].set(lp)  # an open candidate's
+    fields = jnp.zeros((rows, slots, 4), jnp.int32).at[:, :branch].set(
+        opened(tok, 0, jnp.ones(rows, jnp.int32), jnp.ones(rows, bool)))
+    taken = (jnp.zeros((rows, nodes, 4), jnp.int32), jnp.zeros((rows, nodes), jnp.float32))
 
     def step(i, c):
-        open_, out = c
-        best = jnp.argmax(open_["score"], axis=1)
-        got = {name: x[rowwise, best] for name, x in open_.items()}
-        valid = got["score"] > -jnp.inf
-        out = {**{name: out[name].at[:, i].set(got[name]) for name in ("token", "parent", "depth", "main")},
-               "valid": out["valid"].at[:, i].set(valid)}
-        lp, tok = children(jnp.minimum(got["depth"], k - 1), got["token"])
-        grows = valid & (got["depth"] < k)
-        new = {"score": jnp.where(grows[:, None], got["score"][:, None] + lp, -jnp.inf), "token": tok,
-               "parent": jnp.broadcast_to(i + 1, (rows, branch)).astype(jnp.int32),
-               "depth": jnp.broadcast_to(got["depth"][:, None] + 1, (rows, branch)),
-               "main": got["main"][:, None] & (lane == 0)[None, :]}
-        open_ = {**open_, "score": open_["score"].at[rowwise, best].set(-jnp.inf)}  # taken: no longer open
-        open_ = {name: jax.lax.dynamic_update_slice_in_dim(x, new[name].astype(x.dtype), branch * (i + 1), axis=1)
-                 for name, x in open_.items()}
-        return open_, out
+        score, fields, (taken_fields, taken_score) = c
+        best = jnp.argmax(score, axis=1)
+        got, got_score = fields[rowwise, best], score[rowwise, best]
+        taken = (taken_fields.at[:, i].set(got), taken_score.at[:, i].set(got_score))
+        token, depth = got[:, 0], got[:, 2]
+        lp, tok = children(jnp.minimum(depth, k - 1), token)
+        grows = (got_score > -jnp.inf) & (depth < k)
+        score = score.at[rowwise, best].set(-jnp.inf)  # taken: no longer open
+        score = jax.lax.dynamic_update_slice_in_dim(
+            score, jnp.where(grows[:, None], got_score[:, None] + lp, -jnp.inf), branch * (i + 1), axis=1)
+        fields = jax.lax.dynamic_update_slice_in_dim(
+            fields, opened(tok, i + 1, depth + 1, got[:, 3] > 0), branch * (i + 1), axis=1)
+        return score, fields, taken
 
-    _, out = jax.lax.fori_loop(0, nodes, step, (open_, out))
-    return {**out, "trie": jnp.broadcast_to(jnp.arange(1, nodes + 1, dtype=jnp.int32), (rows, nodes))}
+    _, _, (out, out_score) = jax.lax.fori_loop(0, nodes, step, (score, fields, taken))
+    return {"token": out[..., 0], "parent": out[..., 1], "depth": out[..., 2], "main": out[..., 3] > 0,
+            "valid": out_score > -jnp.inf,
+            "trie": jnp.broadcast_to(jnp.arange(1, nodes + 1, dtype=jnp.int32), (rows, nodes))}
 
 
 def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: Params, cfg: Qwen3Config,
@@ -484,7 +510,7 @@ def block_drafts(fparams: Params, fcfg: DFlashConfig, fc: DFlashCache, params: P
     ranked = ranking(lambda: block_tree(logits, head, tree_nodes))
     greedy = smp.argmax(logits)
     if head is not None:
-        greedy = head[1][greedy]
+        greedy = head.ids[greedy]
     if not sample_drafts:
         return greedy, None, fc, ranked
     positions = (start[:, None] + 1 + jnp.arange(k)).reshape(-1)
@@ -500,7 +526,7 @@ def _whole_vocabulary(logits: jax.Array, head: Head | None, vocab_size: int) -> 
     the whole vocabulary, for the acceptance rule; as they are without one."""
     if head is None:
         return logits
-    return jnp.full((*logits.shape[:-1], vocab_size), -jnp.inf, logits.dtype).at[..., head[1]].set(logits)
+    return jnp.full((*logits.shape[:-1], vocab_size), -jnp.inf, logits.dtype).at[..., head.ids].set(logits)
 
 
 def _draws(logq: jax.Array, seeds: jax.Array, positions: jax.Array, pairs: jax.Array | bool
@@ -532,16 +558,17 @@ def markov_drafts(markov: Params, logits: jax.Array, last: jax.Array, start: jax
     chosen at row j - 1 (`last` for row 0); then its argmax, or where `sample` is set a
     draw from its transformed q keyed by (seed, DRAFT stream, position), as `block_drafts`
     draws. Every q is that of the tokens before it as drafted, so the acceptance rule
-    sees the distribution that produced each draft.
+    sees the distribution that produced each draft. `markov`: the drafter's params[MARKOV]
+    (with a draft vocabulary's `head`, `head.markov` instead).
 
     Returns (drafts [R, k], logq [R, k, V] when sample_drafts else None, unless `pairs` is
     False the second token of each row's draw without replacement [R, k] with
     sample_drafts (`_draws`) else None)."""
-    w2 = markov["w2"] if head is None else markov["w2"][head[1]]  # [N, r], once for every row
-    ids = None if head is None else head[1]
+    markov = _markov_over(markov, head)
+    ids = None if head is None else head.ids
 
     def row(prev, j):
-        biased = logits[:, j].astype(jnp.float32) + markov_bias({"w1": markov["w1"], "w2": w2}, prev)  # [R, N]
+        biased = logits[:, j].astype(jnp.float32) + markov_bias(markov, prev)  # [R, N]
         greedy = smp.argmax(biased)
         greedy = greedy if ids is None else ids[greedy]
         if not sample_drafts:

@@ -24,7 +24,7 @@ import numpy as np
 from . import steps
 from .checkpoint import weight_bytes
 from .costs import TREE_BUILD_COST, StepCosts, block_cost, build_cost, chain_cost, prior_costs, tree_cost
-from .dflash import Drafter, fit_problems
+from .dflash import MARKOV, Drafter, fit_problems
 from .drafters import DFlashCache, draft_head, draft_tree_shape, draft_tree_slots
 from .errors import is_integer
 from .kv import KVCache
@@ -222,11 +222,12 @@ class Engine:
         # (kind, weight-bytes ratio (a build's: its cost per row), shape ...) per part, in subset-bit order
         self.model_costs: list[tuple] = []
         # a DFlash block is scored by the target's head, or its rows of the draft vocabulary
-        self.fhead = None if dflash is None or dflash.vocab is None else draft_head(model.params, cfg, dflash.vocab)
+        self.fhead = None if dflash is None or dflash.vocab is None else draft_head(
+            model.params, cfg, dflash.vocab, dflash.params.get(MARKOV))
         if draft is not None:
             self.model_costs.append(("chain", weight_bytes(draft.params) / target_bytes, 0))
         if dflash is not None:
-            head = (head_weight(model.params, cfg) if self.fhead is None else self.fhead[0]).nbytes
+            head = (head_weight(model.params, cfg) if self.fhead is None else self.fhead.rows).nbytes
             self.model_costs.append(("block", (weight_bytes(dflash.params) + head) / target_bytes,
                                      dflash.config.block_size))
         if draft is not None and self.spec.nodes and self.k:  # a draft-model tree's draft steps: a part of its own

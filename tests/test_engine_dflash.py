@@ -12,7 +12,7 @@ import pytest
 
 import specjax
 from specjax import Sampling, dflash, drafters, sampling as smp
-from specjax.dflash import DFlashError, load_dflash, save_dflash
+from specjax.dflash import MARKOV, DFlashError, load_dflash, save_dflash
 from specjax.drafters import DFlashCache, draft_head
 from specjax.engine import Engine, Speculation
 from specjax.kv import KVCache
@@ -151,7 +151,7 @@ def test_draft_vocabulary_drafts_are_the_full_heads_argmax_within_it(tiny, rng):
     vocab = _some_vocab(rng, cfg.vocab_size, 30)
     fc, last, start = block_case(model, drafter, rng)
     full, _ = block_logits(drafter.params, d, fc.kv, model.params, cfg, last, start, k=7)
-    head = draft_head(model.params, cfg, vocab)
+    head = draft_head(model.params, cfg, vocab, drafter.params.get(MARKOV))
     rs = smp.RowSampling.of([Sampling(), Sampling(0.9, top_k=10)])
     for sample in (False, True):
         drafts, logq, _, _ = block_drafts(drafter.params, d, fc, model.params, cfg, last, start, 7,

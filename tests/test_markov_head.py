@@ -48,6 +48,18 @@ def _block_case(tiny, rng, vocab_size: int | None):
     return (model, drafter, *block_case(model, drafter, rng), vocab)
 
 
+def test_a_draft_vocabulary_head_without_the_markov_head_is_refused(tiny, rng):
+    """A drafter with a Markov head and a draft vocabulary's head built without it: an
+    error naming draft_head's markov argument, not drafts from the unbiased rows."""
+    model, drafter, fc, last, start, vocab = _block_case(tiny, rng, 30)
+    cfg = model.config
+    head = draft_head(model.params, cfg, vocab, None)
+    with pytest.raises(ValueError, match=r"draft_head\(\.\.\., markov="):
+        block_drafts(drafter.params, drafter.config, fc, model.params, cfg, last, start, 7,
+                     jnp.array([1, 2], jnp.uint32), smp.RowSampling.of([Sampling(), Sampling()]),
+                     jnp.array([False, False]), False, head)
+
+
 @pytest.mark.parametrize("vocab_size", [None, 30])
 def test_markov_drafts_are_chosen_left_to_right(tiny, rng, vocab_size):
     """Greedy rows: each draft is the argmax of the block row's logits plus the head's bias
@@ -58,7 +70,7 @@ def test_markov_drafts_are_chosen_left_to_right(tiny, rng, vocab_size):
     cfg, d = model.config, drafter.config
     unary, _ = block_logits(drafter.params, d, fc.kv, model.params, cfg, last, start, k=7)
     unary = np.asarray(unary, np.float64)
-    head = None if vocab is None else draft_head(model.params, cfg, vocab)
+    head = None if vocab is None else draft_head(model.params, cfg, vocab, drafter.params[MARKOV])
     ids = np.arange(cfg.vocab_size) if vocab is None else vocab
     if vocab is not None:  # block_logits over the whole head; a draft vocabulary scores its rows only
         unary = unary[..., vocab]
@@ -106,7 +118,7 @@ def test_markov_tree_is_the_best_scored_set_of_paths(tiny, rng, vocab_size):
     k, nodes = 4, 4
     unary, _ = block_logits(drafter.params, d, fc.kv, model.params, cfg, last, start, k=k)
     unary = np.asarray(unary, np.float64)
-    head = None if vocab is None else draft_head(model.params, cfg, vocab)
+    head = None if vocab is None else draft_head(model.params, cfg, vocab, drafter.params[MARKOV])
     ids = np.arange(cfg.vocab_size) if vocab is None else vocab
     if vocab is not None:
         unary = unary[..., vocab]
