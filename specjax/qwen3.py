@@ -12,6 +12,7 @@ unstacked (inference) one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -74,18 +75,32 @@ def rope_frequencies(e: int, theta: float, scaling: RopeScaling | None = None) -
     return inv_freq, scaling.attention_factor
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
-    """Rotary embedding (rotate-half convention) of x [B, T, N, E] at positions [B, T],
-    with a config's RoPE scaling if it has one."""
-    inv_freq, attention = rope_frequencies(x.shape[-1], theta, scaling)
+RopeTables = tuple[jax.Array, jax.Array]  # cos and sin [B, T, 1, E], float32 (`rope_tables`)
+
+
+def rope_tables(positions: jax.Array, e: int, theta: float, scaling: RopeScaling | None = None) -> RopeTables:
+    """cos and sin (float32, times the scaling's attention factor) of a rotary embedding over
+    E dimensions at positions [B, T]: what `rotate` turns vectors by."""
+    inv_freq, attention = rope_frequencies(e, theta, scaling)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
     if attention != 1.0:
         cos, sin = cos * attention, sin * attention
-    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+    return cos, sin
+
+
+def rotate(x: jax.Array, tables: RopeTables) -> jax.Array:
+    """x [B, T, N, E] turned by `rope_tables` (rotate-half convention, in x's dtype)."""
+    cos, sin = (t.astype(x.dtype) for t in tables)
     x1, x2 = jnp.split(x, 2, axis=-1)
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+    """Rotary embedding (rotate-half convention) of x [B, T, N, E] at positions [B, T],
+    with a config's RoPE scaling if it has one."""
+    return rotate(x, rope_tables(positions, x.shape[-1], theta, scaling))
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
@@ -155,11 +170,12 @@ def _attend_layer(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax
     return attend_masked(q, k.astype(q.dtype), v.astype(q.dtype), visible(n, limit, base, bits))
 
 
-def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
+def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array, tables: RopeTables,
            cache: tuple | None, layer: jax.Array, sees: jax.Array | None = None,
            ancestors: jax.Array | None = None, at: jax.Array | None = None,
            base: jax.Array | None = None) -> tuple[jax.Array, tuple | None]:
-    """One decoder layer; returns the new residual stream and the updated pools. With a
+    """One decoder layer (`tables`: RoPE's at `positions`); returns the new residual stream
+    and the updated pools. With a
     cache, the step's tokens are written from slot at [B] on (default positions[:, 0]) and
     query t attends to the positions up to sees[:, t] (default: its own), of the 32 from
     base [B] on (default: at) only those in ancestors[:, t] (`visible`; default: all)."""
@@ -168,10 +184,8 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
     h = rms_norm(x, lp["input_layernorm.weight"], cfg.rms_norm_eps)
     qkv = linear(h, lp["self_attn.qkv_proj.weight"], lp.get("self_attn.qkv_proj.bias"))
     q, k, v = jnp.split(qkv, [nh * hd, (nh + nk) * hd], axis=-1)
-    q = rope(rms_norm(q.reshape(b, t, nh, hd), lp["self_attn.q_norm.weight"], cfg.rms_norm_eps),
-             positions, cfg.rope_theta, cfg.rope_scaling)
-    k = rope(rms_norm(k.reshape(b, t, nk, hd), lp["self_attn.k_norm.weight"], cfg.rms_norm_eps),
-             positions, cfg.rope_theta, cfg.rope_scaling)
+    q = rotate(rms_norm(q.reshape(b, t, nh, hd), lp["self_attn.q_norm.weight"], cfg.rms_norm_eps), tables)
+    k = rotate(rms_norm(k.reshape(b, t, nk, hd), lp["self_attn.k_norm.weight"], cfg.rms_norm_eps), tables)
     v = v.reshape(b, t, nk, hd)
     if cache is None:
         attn = attend_causal(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions)
@@ -189,6 +203,19 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array,
         cache = (k_pool, v_pool, page_table, page_size, slots)
     x = x + linear(attn, lp["self_attn.o_proj.weight"], lp.get("self_attn.o_proj.bias"))
     return mlp(lp, x, cfg.rms_norm_eps), cache
+
+
+def _computed_once(make: Callable[[], Any], x: jax.Array) -> Any:
+    """make()'s arrays, computed once for all of their users. XLA:CPU fuses an elementwise
+    producer into each consumer, which recomputes it for every element the consumer makes:
+    RoPE's cos and sin for every element of every layer's queries and keys, a few per cent
+    of a tiny-code verify step. It also drops optimization barriers before fusing, so
+    on CPU the arrays are made by a conditional, whose branches are never fused into their
+    users; the predicate (on x, any traced array) takes either branch, both the same.
+    Elsewhere fusion is left alone (a GPU's conditional waits for its predicate on the host)."""
+    if jax.default_backend() != "cpu":
+        return make()
+    return jax.lax.cond(jnp.any(x < 0), make, make)
 
 
 def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Array,
@@ -211,12 +238,14 @@ def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions
     """
     x = cpu_kernels.rows(params["model.embed_tokens.weight"], tokens)
     cache = None if kv is None else (kv.k, kv.v, kv.page_table, kv.page_size)
+    tables = _computed_once(lambda: rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+                            positions)
 
     def body(carry, xs):
         x, pools = carry
         lp, layer = xs
         c = None if pools is None else (*pools, kv.page_table, kv.page_size, slots)
-        x, c = _layer(cfg, lp, x, positions, c, layer, sees, ancestors, at, base)
+        x, c = _layer(cfg, lp, x, positions, tables, c, layer, sees, ancestors, at, base)
         return (x, None if c is None else c[:2]), (x if taps else None)
 
     pools = None if cache is None else cache[:2]
