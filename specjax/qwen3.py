@@ -78,13 +78,27 @@ def rope_frequencies(e: int, theta: float, scaling: RopeScaling | None = None) -
 RopeTables = tuple[jax.Array, jax.Array]  # cos and sin [B, T, 1, E], float32 (`rope_tables`)
 
 
+def _computed_once(make: Callable[[], Any], x: jax.Array) -> Any:
+    """make()'s arrays, computed once for all of their users. XLA:CPU fuses an elementwise
+    producer into each consumer, which recomputes it for every element the consumer makes:
+    RoPE's cos and sin for every element of every layer's queries and keys, a few per cent
+    of a tiny-code verify step. It also drops optimization barriers before fusing, so on CPU
+    the arrays are made by a conditional, whose branches are never fused into their users;
+    the predicate (on x, an input of make) takes either branch, both the same. make should
+    take traced inputs only: constants folded outside a branch may not be folded inside it.
+    Elsewhere fusion is left alone (a GPU's conditional waits for its predicate on the host)."""
+    if jax.default_backend() != "cpu":
+        return make()
+    return jax.lax.cond(jnp.any(x < 0), make, make)
+
+
 def rope_tables(positions: jax.Array, e: int, theta: float, scaling: RopeScaling | None = None) -> RopeTables:
     """cos and sin (float32, times the scaling's attention factor) of a rotary embedding over
     E dimensions at positions [B, T]: what `rotate` turns vectors by."""
     inv_freq, attention = rope_frequencies(e, theta, scaling)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    cos, sin = _computed_once(lambda: (jnp.cos(emb), jnp.sin(emb)), emb)
     if attention != 1.0:
         cos, sin = cos * attention, sin * attention
     return cos, sin
@@ -205,19 +219,6 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array, tab
     return mlp(lp, x, cfg.rms_norm_eps), cache
 
 
-def _computed_once(make: Callable[[], Any], x: jax.Array) -> Any:
-    """make()'s arrays, computed once for all of their users. XLA:CPU fuses an elementwise
-    producer into each consumer, which recomputes it for every element the consumer makes:
-    RoPE's cos and sin for every element of every layer's queries and keys, a few per cent
-    of a tiny-code verify step. It also drops optimization barriers before fusing, so
-    on CPU the arrays are made by a conditional, whose branches are never fused into their
-    users; the predicate (on x, any traced array) takes either branch, both the same.
-    Elsewhere fusion is left alone (a GPU's conditional waits for its predicate on the host)."""
-    if jax.default_backend() != "cpu":
-        return make()
-    return jax.lax.cond(jnp.any(x < 0), make, make)
-
-
 def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions: jax.Array,
                   kv: kvlib.KVCache | None = None, taps: tuple[int, ...] = (), sees: jax.Array | None = None,
                   ancestors: jax.Array | None = None, at: jax.Array | None = None, base: jax.Array | None = None
@@ -238,8 +239,7 @@ def hidden_states(params: Params, cfg: Qwen3Config, tokens: jax.Array, positions
     """
     x = cpu_kernels.rows(params["model.embed_tokens.weight"], tokens)
     cache = None if kv is None else (kv.k, kv.v, kv.page_table, kv.page_size)
-    tables = _computed_once(lambda: rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
-                            positions)
+    tables = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # once for every layer
 
     def body(carry, xs):
         x, pools = carry
