@@ -189,10 +189,10 @@ def _layer(cfg: Qwen3Config, lp: Params, x: jax.Array, positions: jax.Array, tab
            ancestors: jax.Array | None = None, at: jax.Array | None = None,
            base: jax.Array | None = None) -> tuple[jax.Array, tuple | None]:
     """One decoder layer (`tables`: RoPE's at `positions`); returns the new residual stream
-    and the updated pools. With a
-    cache, the step's tokens are written from slot at [B] on (default positions[:, 0]) and
-    query t attends to the positions up to sees[:, t] (default: its own), of the 32 from
-    base [B] on (default: at) only those in ancestors[:, t] (`visible`; default: all)."""
+    and the updated pools. With a cache, the step's tokens are written from slot at [B] on
+    (default positions[:, 0]) and query t attends to the positions up to sees[:, t]
+    (default: its own), of the 32 from base [B] on (default: at) only those in
+    ancestors[:, t] (`visible`; default: all)."""
     b, t, _ = x.shape
     hd, nh, nk = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     h = rms_norm(x, lp["input_layernorm.weight"], cfg.rms_norm_eps)
