@@ -1,6 +1,9 @@
 """The training loop learns, and an interrupted run resumes exactly where it stopped."""
 
+import dataclasses
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -101,6 +104,64 @@ def test_kill_and_resume_continues_identically(tmp_path, monkeypatch):
     assert [r["step"] for r in rows] == [3, 6]
     for name in ("config.json", "model.safetensors", "generation_config.json"):
         assert (tmp_path / "export" / name).is_file()
+
+
+def test_sigterm_inside_a_step_saves_that_step_and_resumes_identically(tmp_path, monkeypatch):
+    """SIGTERM arriving while a jitted step runs (here: as it returns, having consumed the
+    donated params and optimizer state) lets the step finish, saves its result under its
+    own number and stops; the resumed run ends where an uninterrupted one does."""
+    tc = dataclasses.replace(TC, save_every_minutes=100)  # the interrupt's save is the only one
+    train_tokens, heldout = _tokens(1, 4000), _tokens(2, 1000)
+    full = lm.train(CFG, tc, train_tokens, heldout, tmp_path / "full")
+    real, calls = lm.make_train_step, []
+
+    def signalled(*args):
+        step = real(*args)
+
+        def run(*xs):
+            out = step(*xs)
+            calls.append(1)
+            if len(calls) == 3:  # the third step (index 2) has run
+                os.kill(os.getpid(), signal.SIGTERM)
+            return out
+        return run
+
+    monkeypatch.setattr(lm, "make_train_step", signalled)
+    before = signal.getsignal(signal.SIGTERM)
+    stopped = lm.train(CFG, tc, train_tokens, heldout, tmp_path / "resumed")
+    assert stopped["step"] == 3 and len(calls) == 3 and signal.getsignal(signal.SIGTERM) is before
+    ckpts = lm.Checkpoints(tmp_path / "resumed")
+    assert ckpts.latest_step() == 3
+    ckpts.close()
+    monkeypatch.setattr(lm, "make_train_step", real)
+    resumed = lm.train(CFG, tc, train_tokens, heldout, tmp_path / "resumed")
+    assert resumed["step"] == tc.steps
+    assert_trees_equal(full["params"], resumed["params"])
+    assert_trees_equal(full["opt_state"], resumed["opt_state"])
+
+
+def test_a_second_signal_stops_at_once_and_a_first_before_any_step_saves_nothing(tmp_path):
+    tc = dataclasses.replace(TC, save_every_minutes=100)
+    saved, done = [], []
+
+    def advance(step):
+        done.append(step)
+        os.kill(os.getpid(), signal.SIGINT)
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return {"loss": 1.0}
+
+    with pytest.raises(KeyboardInterrupt):  # the second signal, inside step 1
+        lm.run_steps(tc, 1, advance, lambda s: None, saved.append, 1, show=False)
+    assert done == [1] and saved == []
+
+    def evaluate(step):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    assert lm.run_steps(tc, 0, advance, evaluate, saved.append, 1, show=False, evaluate_first=True) == 0
+    assert done == [1] and saved == []  # stopped before step 0 ran: nothing new to save
+    assert lm.run_steps(tc, 4, advance, evaluate, saved.append, 1, show=False) == 5
+    assert done == [1, 4] and saved == [5]  # a signal in a step: that step, then its save
 
 
 def test_init_from_a_saved_model_starts_from_its_weights(tmp_path):

@@ -516,9 +516,7 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
         ckpts.save(step, {"params": params, "opt_state": opt_state}, record)
 
     try:
-        if step == 0:
-            evaluate(0)
-        step = lm.run_steps(tc, step, advance, evaluate, save, tokens_per_step, show=lead)
+        step = lm.run_steps(tc, step, advance, evaluate, save, tokens_per_step, show=lead, evaluate_first=step == 0)
     finally:
         ckpts.close()
     return {"params": params, "opt_state": opt_state, "step": step}

@@ -22,6 +22,7 @@ layout, with tokenizer files and ``generation_config.json``) to ``--export``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -29,8 +30,9 @@ import math
 import shutil
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -278,42 +280,87 @@ def append_metrics(directory: Path, row: dict) -> None:
 
 
 def run_steps(tc: Any, step: int, advance: Callable[[int], dict], evaluate: Callable[[int], None],
-              save: Callable[[int], None], tokens_per_step: int, show: bool = True) -> int:
+              save: Callable[[int], None], tokens_per_step: int, show: bool = True,
+              evaluate_first: bool = False) -> int:
     """Drive a training loop from ``step`` to ``tc.steps``; returns the last step done.
 
     ``advance(s)`` runs step s and returns its metrics ({"loss": ...} at least, shown on a
-    tqdm bar over tokens); ``evaluate(s)`` runs every ``tc.eval_every`` steps and at the
-    end; ``save(s)`` every ``tc.save_every_minutes`` (0: every step), at the end and on
-    Ctrl-C or SIGTERM (see :func:`_interrupt`). A non-finite loss raises without saving.
-    In a multi-process run every process saves together (orbax's saves are collective), when
-    process 0's clock says so; stop all processes alike (SIGTERM to each). `show`: the bar.
+    tqdm bar over tokens); ``evaluate(s)`` runs every ``tc.eval_every`` steps, at the end,
+    and first of all with ``evaluate_first``; ``save(s)`` every ``tc.save_every_minutes``
+    (0: every step) and at the end. Ctrl-C or SIGTERM stops the loop after the step it
+    arrived in, which is saved first (:func:`stop_requests`; a second one stops at once,
+    unsaved). A non-finite loss raises without saving. In a multi-process run every
+    process saves together (orbax's saves are collective), when process 0's clock says so,
+    and a stop asked of any process stops all after the same step. `show`: the bar.
     """
     bar = tqdm(total=tc.steps * tokens_per_step, initial=step * tokens_per_step, unit="tok",
                unit_scale=True, mininterval=1 if sys.stderr.isatty() else 60, disable=not show)
-    last_save = time.monotonic()
-    try:
-        while step < tc.steps:
-            metrics = {k: float(v) for k, v in advance(step).items()}
-            step += 1
-            if not math.isfinite(metrics["loss"]):
-                raise FloatingPointError(f"training loss is {metrics['loss']} at step {step}")
-            bar.update(tokens_per_step)
-            bar.set_postfix(step=step, **{k: f"{v:.3f}" for k, v in metrics.items()}, refresh=False)
-            if step % tc.eval_every == 0 or step == tc.steps:
+    first, last_save = step, time.monotonic()
+    with stop_requests() as asked:
+        try:
+            if evaluate_first:
                 evaluate(step)
-            due = time.monotonic() - last_save >= tc.save_every_minutes * 60
-            if jax.process_count() > 1:
-                due = bool(multihost_utils.broadcast_one_to_all(np.array(due)))
-            if due:
+            stop = _agree(False, bool(asked))[1]
+            while step < tc.steps and not stop:
+                metrics = {k: float(v) for k, v in advance(step).items()}
+                step += 1
+                if not math.isfinite(metrics["loss"]):
+                    raise FloatingPointError(f"training loss is {metrics['loss']} at step {step}")
+                bar.update(tokens_per_step)
+                bar.set_postfix(step=step, **{k: f"{v:.3f}" for k, v in metrics.items()}, refresh=False)
+                if step % tc.eval_every == 0 or step == tc.steps:
+                    evaluate(step)
+                due, stop = _agree(time.monotonic() - last_save >= tc.save_every_minutes * 60, bool(asked))
+                if due and not stop:
+                    save(step)
+                    last_save = time.monotonic()
+            if stop and step == first:
+                tqdm.write(f"interrupted at step {step}, before any step: nothing new to save")
+            else:
+                if stop:
+                    tqdm.write(f"interrupted: saving step {step}")
                 save(step)
-                last_save = time.monotonic()
-        save(step)
-    except KeyboardInterrupt:
-        tqdm.write(f"interrupted: saving step {step}")
-        save(step)
-    finally:
-        bar.close()
+        finally:
+            bar.close()
     return step
+
+
+@contextlib.contextmanager
+def stop_requests() -> Iterator[list[int]]:
+    """Within: Ctrl-C and SIGTERM append their signal number to the yielded list instead
+    of raising, for a training loop to stop at its next step boundary. A jitted step
+    donates the params and optimizer state it is given, so an exception raised inside one
+    leaves arrays consumed and not yet replaced, and one raised between the step and the
+    loop's count of it would save the new state under the old step. A second signal raises
+    KeyboardInterrupt at once (stop without saving). Outside the main thread, where Python
+    cannot install handlers, signals keep their handlers."""
+    asked: list[int] = []
+
+    def request(signum: int, frame: Any) -> None:
+        if asked:
+            raise KeyboardInterrupt
+        asked.append(signum)
+        tqdm.write(f"{signal.Signals(signum).name}: stopping when the current step ends, saving it first "
+                   "(again to stop at once, unsaved)")
+
+    if threading.current_thread() is not threading.main_thread():
+        yield asked
+        return
+    before = {s: signal.signal(s, request) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield asked
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _agree(due: bool, stop: bool) -> tuple[bool, bool]:
+    """(save now, stop now) for every process alike: process 0's `due` (its clock), and
+    `stop` where any process was asked to stop. One process: as given."""
+    if jax.process_count() == 1:
+        return due, stop
+    flags = np.asarray(multihost_utils.process_allgather(np.array([due, stop])))
+    return bool(flags[0, 0]), bool(flags[:, 1].any())
 
 
 def _interrupt(signum: int, frame: Any) -> None:
