@@ -505,11 +505,8 @@ class Engine:
         if hosted:
             given = (np.zeros((rows, self.compiled_k), np.int32), np.full(rows, -1, np.int32))
             for r in hosted:
-                found = np.asarray(r.drafter.propose(self.history[r.slot, :r.length].copy(), r.k), np.int64)
-                if found.ndim != 1 or (found.size and (found.min() < 0 or found.max() >= m.config.vocab_size)):
-                    raise GenerationError(f"request {r.id}: the drafter must return token ids in [0, "
-                                          f"{m.config.vocab_size}), got {found!r}")
-                found = found[:r.k]
+                found = _host_drafts(r.drafter.propose(self.history[r.slot, :r.length].copy(), r.k),
+                                     m.config.vocab_size, r.id)[:r.k]
                 given[0][r.slot, :len(found)] = found
                 given[1][r.slot] = len(found)
         for r in live:
@@ -712,3 +709,18 @@ def _tree(parts: Sequence[Any]) -> int | str:
     """One tree setting for an engine over these proposers: "auto" where any asks for it,
     else the largest node budget."""
     return "auto" if any(p.tree == "auto" for p in parts) else max(p.tree for p in parts)
+
+
+def _host_drafts(proposed: Any, vocab_size: int, request: int) -> np.ndarray:
+    """A host drafter's `propose` result as int64 ids: a list (or 1-D array) of integers in
+    [0, vocab_size); anything else (floats, None, text, nested lists) is refused by name,
+    never cast."""
+    try:
+        found = np.asarray(proposed)
+    except ValueError:  # ragged
+        found = None
+    if (found is None or found.ndim != 1 or (found.size and not np.issubdtype(found.dtype, np.integer))
+            or (found.size and (found.min() < 0 or found.max() >= vocab_size))):
+        raise GenerationError(f"request {request}: the drafter must return token ids in [0, {vocab_size}) "
+                              f"(a list of integers), got {proposed!r:.80}")
+    return found.astype(np.int64)

@@ -335,6 +335,16 @@ class _Oracle:
         return (nxt + 1) % self.vocab if self.wrong else nxt
 
 
+class _Constant:
+    """A host drafter proposing the same value whatever the history."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def propose(self, history, limit):
+        return self.value
+
+
 def test_host_drafters_fill_the_drafts_array(cyclic_target, rng):
     """Rows whose drafts come from Python (an oracle, a proposer always wrong) next to rows
     with prompt lookup: every row equals its plain run alone; the oracle's drafts are taken."""
@@ -353,6 +363,10 @@ def test_host_drafters_fill_the_drafts_array(cyclic_target, rng):
     bad = engine.submit(prompts[0], max_new_tokens=5, stop_ids=(), drafter=_Oracle(prompts[0], [v + 3] * 40, v + 10))
     with pytest.raises(GenerationError, match=r"drafter must return token ids in \[0, 101\)"):
         bad.result()
+    for junk in ([1.5, 2.7], None, "ab", [[1, 2]], [1, [2]], [True]):  # refused by name, never cast
+        bad = engine.submit(prompts[0], max_new_tokens=5, stop_ids=(), drafter=_Constant(junk))
+        with pytest.raises(GenerationError, match=r"drafter must return token ids in \[0, 101\)"):
+            bad.result()
     with pytest.raises(GenerationError, match="drafter must have a propose"):
         engine.submit(prompts[0], max_new_tokens=5, drafter=object())
 
