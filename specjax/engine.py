@@ -102,7 +102,10 @@ class HostDrafter(Protocol):
 
 class Request:
     """A submitted generation: iterate it for tokens as they are committed, `result()` to
-    run the engine until it is done, `cancel()` to drop it (its pages return to the pool)."""
+    run the engine until it is done, `cancel()` to drop it (its pages return to the pool).
+    A request that fails (NaN logits, its drafter raising or returning something other than
+    token ids) ends with `error` set, which `result()` and iteration raise; the other
+    requests go on."""
 
     def __init__(self, engine: "Engine", rid: int, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling,
                  seed: int, stops: frozenset[int], k: int, use: tuple[bool, bool, bool], drafter: HostDrafter | None,
@@ -116,6 +119,8 @@ class Request:
         self.tokens: list[int] = []
         self.stats = Stats(prompt_tokens=len(prompt))
         self.done = self.stopped = self.cancelled = False
+        # why it ended before its stop or length (NaN logits, its drafter's failure): result() raises it
+        self.error: Exception | None = None
         self.submitted = time.perf_counter()
         self.first_token_at: float | None = None
         self._streamed = 0
@@ -139,6 +144,8 @@ class Request:
     def result(self) -> GenerateResult:
         while not self.done:
             self.engine.step()
+        if self.error is not None:
+            raise self.error
         if self.cancelled:
             raise GenerationError(f"request {self.id} was cancelled")
         return GenerateResult(list(self.tokens), self.stats, self.stopped)
@@ -149,6 +156,8 @@ class Request:
                 self._streamed += 1
                 yield self.tokens[self._streamed - 1]
             if self.done:
+                if self.error is not None:
+                    raise self.error
                 return
             self.engine.step()
 
@@ -347,8 +356,8 @@ class Engine:
         joining = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt)]
         decoding = [r for r in self.slots if r is not None and r.prefilled == len(r.prompt)]
         for req in joining:
-            while req.prefilled < len(req.prompt):
-                token = self._prefill(req)
+            while req.prefilled < len(req.prompt) and not req.done:
+                token = self._prefill(req, new)
                 if token is not None:
                     self._emit(req, [token], new)
                 if decoding:
@@ -382,7 +391,7 @@ class Engine:
             self.table[req.slot, len(req.pages):len(req.pages) + extra] = got
             req.pages += got
 
-    def _prefill(self, req: Request) -> int | None:
+    def _prefill(self, req: Request, new: dict[Request, list[int]]) -> int | None:
         """One chunk of req's prompt; the first token once the prompt is in."""
         m = self.model
         start = req.prefilled
@@ -410,9 +419,9 @@ class Engine:
             req.dlen = start + len(part)
         req.prefilled += len(part)
         if bool(bad):
-            self._finish(req)
-            raise FloatingPointError(f"prefill of request {req.id} produced NaN logits (chunk at token {start}); "
-                                     "check the weights")
+            self._fail(req, FloatingPointError(f"prefill of request {req.id} produced NaN logits (chunk at token "
+                                               f"{start}); check the weights"), new)
+            return None
         req.stats.prefill_s += time.perf_counter() - t0
         return int(token) if req.prefilled == len(req.prompt) else None
 
@@ -462,9 +471,17 @@ class Engine:
         top = max(r.slot for r in decoding) + 1
         rows = min(next((b for b in ROW_BUCKETS if b >= top), top), self.max_batch)
         live = [r for r in decoding if r.slot < rows]
-        log, dlen, clen, state = self._call(rows, live, any(not r.sampling.greedy for r in live), short)
+        given = self._host_proposals(live, new)
+        live = [r for r in live if not r.done]
+        if not live:
+            return
+        log, bad, dlen, clen, state = self._call(rows, live, any(not r.sampling.greedy for r in live), short, given)
         for r in live:
             b = r.slot
+            if bad[b]:
+                self._fail(r, FloatingPointError(f"target logits contain NaN in a decode step of request {r.id}; "
+                                                 "check the weights"), new)
+                continue
             r.dlen, r.clen = int(dlen[b]), int(clen[b])
             r.state = {name: counts[b] for name, counts in state.items()}
             committed: list[int] = []
@@ -481,10 +498,33 @@ class Engine:
                 committed += [int(x) for x in log["tokens"][i, b, :c]]
             self._emit(r, committed, new)
 
-    def _call(self, rows: int, live: list[Request], sampled: bool, short: bool = False) -> tuple:
+    def _host_proposals(self, live: list[Request], new: dict[Request, list[int]]) -> dict[Request, np.ndarray]:
+        """The drafts of each live request with a host drafter (asked before every round); a
+        drafter that raises or returns anything but token ids fails its request alone."""
+        given = {}
+        for r in live:
+            if r.drafter is None or not r.k:
+                continue
+            try:
+                proposed = r.drafter.propose(self.history[r.slot, :r.length].copy(), r.k)
+            except Exception as e:  # the user's code: its request fails, the engine goes on
+                error = GenerationError(f"request {r.id}: its drafter's propose raised {type(e).__name__}: {e}")
+                error.__cause__ = e
+                self._fail(r, error, new)
+                continue
+            try:
+                given[r] = _host_drafts(proposed, self.model.config.vocab_size, r.id)[:r.k]
+            except GenerationError as e:
+                self._fail(r, e, new)
+        return given
+
+    def _call(self, rows: int, live: list[Request], sampled: bool, short: bool = False,
+              proposals: dict[Request, np.ndarray] | None = None) -> tuple:
         """One device call of `rounds` (a quarter of them when `short`) over `rows` rows, the
-        `live` requests in their slots (the other rows idle); returns the rounds' log (`rounds.rounds`), the draft cache
-        lengths, the DFlash context rows written and the acceptance state."""
+        `live` requests in their slots (the other rows idle), with `proposals`: the drafts of
+        the requests with a host drafter (`_host_proposals`); returns the rounds' log
+        (`rounds.rounds`), which rows met NaN logits [rows], the draft cache lengths, the
+        DFlash context rows written and the acceptance state."""
         m = self.model
         size = np.zeros(rows, np.int32)
         budget = np.zeros(rows, np.int32)
@@ -497,16 +537,13 @@ class Engine:
         use = np.zeros((rows, 3), bool)
         dlen = np.zeros(rows, np.int32)
         clen = np.zeros(rows, np.int32)
-        hosted = [r for r in live if r.drafter is not None and r.k]
         # a host drafter is asked before every round; joining requests get their next prefill
         # chunk after a quarter of the rounds (one compiled call: the count is traced)
-        n_rounds = 1 if hosted else self.join_rounds if short else self.n_rounds
+        n_rounds = 1 if proposals else self.join_rounds if short else self.n_rounds
         given = None
-        if hosted:
+        if proposals:
             given = (np.zeros((rows, self.compiled_k), np.int32), np.full(rows, -1, np.int32))
-            for r in hosted:
-                found = _host_drafts(r.drafter.propose(self.history[r.slot, :r.length].copy(), r.k),
-                                     m.config.vocab_size, r.id)[:r.k]
+            for r, found in proposals.items():
                 given[0][r.slot, :len(found)] = found
                 given[1][r.slot] = len(found)
         for r in live:
@@ -561,16 +598,11 @@ class Engine:
             clen = np.asarray(fkv.written)
         log, bad, state = jax.device_get((log, bad, state))
         elapsed = time.perf_counter() - t0
-        if bad:
-            for r in live:
-                self._finish(r)
-            raise FloatingPointError("target logits contain NaN in a decode step of requests "
-                                     f"{[r.id for r in live]}; check the weights")
         if live:  # (a call without rows compiles, or confirms a compiled step: the fit's first call)
             widths = log["width"]
             costs.observe(np.bincount(widths[widths >= 0], minlength=groups * len(steps.BUCKETS)).astype(float),
                           elapsed)
-        return log, dlen, clen, state
+        return log, bad, dlen, clen, state
 
     def _emit(self, req: Request, tokens: list[int], new: dict[Request, list[int]]) -> None:
         """Append committed tokens up to a stop id or max_new_tokens."""
@@ -589,6 +621,13 @@ class Engine:
         new[req] = new.get(req, []) + taken
         if req.done:
             self._finish(req)
+
+    def _fail(self, req: Request, error: Exception, new: dict[Request, list[int]]) -> None:
+        """End a request with `error` (its `result()` raises it), listed among the step's
+        requests so a caller streaming them learns of it."""
+        req.error = error
+        new.setdefault(req, [])
+        self._finish(req)
 
     def _finish(self, req: Request) -> None:
         """Return a request's pages and reservation and free its row."""

@@ -281,7 +281,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
     (more tokens, in a round that runs both), else the chain; rows with sampled model drafts
     take that proposer's chain (a sampled tree's depth is not decided by the committed
     tokens).
-    Returns (log, nan flag, cache, draft cache, DFlash pools, state); log holds "tokens"
+    Returns (log, the rows whose logits met NaN [R], cache, draft cache, DFlash pools,
+    state); log holds "tokens"
     [n_rounds, R, SPAN], "counts" [n_rounds, R], "drafts" judged [n_rounds, R], "source"
     [n_rounds, R] of those drafts (index into SOURCES; -1: none), "branched" [n_rounds, R]
     (the accepted path left a tree's first continuation), "treed" [n_rounds, R] (the row
@@ -617,7 +618,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
                                             jnp.asarray(widths)[pick], n, live, (src > 0) & drawn,
                                             _by_source(src - 1, logqs) if sample_drafts and models else None,
                                             seeds, rs, parents, sampled_trees, verified)
-        nan = jnp.any(nan & live)
+        nan = nan & live
         if t_nodes:  # the accepted paths become plain prefixes (taps past the width are stale anyway)
             kv = compact_paths(kv, path, count)
             if tapped is not None:
@@ -687,7 +688,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
            "counts": jnp.zeros((n_rounds, rows), jnp.int32), "drafts": jnp.zeros((n_rounds, rows), jnp.int32),
            "width": jnp.full((n_rounds,), -1, jnp.int32), "source": jnp.full((n_rounds, rows), -1, jnp.int32),
            "branched": jnp.zeros((n_rounds, rows), bool), "treed": jnp.zeros((n_rounds, rows), bool)}
-    init = (kv, dkv, fkv, history, size, jnp.zeros(rows, jnp.int32), jnp.int32(0), state, jnp.bool_(False),
+    init = (kv, dkv, fkv, history, size, jnp.zeros(rows, jnp.int32), jnp.int32(0), state, jnp.zeros(rows, bool),
             jnp.zeros(rows, bool), log,
             jnp.zeros((rows, wm, cfg.vocab_size), jnp.float32) if sampled else None)  # (`_commit`)
     kv, dkv, fkv, _, _, _, _, state, bad, _, log, _ = jax.lax.while_loop(more, body, init)

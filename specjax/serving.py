@@ -209,6 +209,10 @@ class EngineWorker:
                 else:
                     self.metrics.later_tokens(now - run.last_token_at, len(tokens))
                 run.last_token_at = now
+            if req.error is not None:  # this request alone failed (NaN logits); the others go on
+                self._done(run, "error")
+                run.ticket.post(Failed(run.index, f"{type(req.error).__name__}: {req.error}"))
+                continue
             finish = ("stop" if req.stopped else "length") if req.done else None
             if finish is not None:
                 self._done(run, finish)

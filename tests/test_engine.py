@@ -13,7 +13,7 @@ from specjax.rounds import new_state, rounds
 from specjax.kv import KVCache
 from specjax.results import GenerationError
 from specjax.pages import PoolError
-from conftest import assert_follows, repeating_prompt
+from conftest import assert_follows, hf_tiny, repeating_prompt
 
 SETTINGS = [Sampling(), Sampling(0.8), Sampling(0.7, top_k=20), Sampling(1.0, top_p=0.9),
             Sampling(0.9, top_k=80), Sampling(1.2, top_k=30, top_p=0.8, min_p=0.05)]
@@ -369,6 +369,55 @@ def test_host_drafters_fill_the_drafts_array(cyclic_target, rng):
             bad.result()
     with pytest.raises(GenerationError, match="drafter must have a propose"):
         engine.submit(prompts[0], max_new_tokens=5, drafter=object())
+
+
+def test_a_drafter_that_fails_ends_its_request_alone(cyclic_target, rng):
+    """A host drafter that raises, or returns something other than token ids, fails its
+    own request (result() raises, naming it); the request beside it goes on and equals its
+    run alone."""
+    model = cyclic_target
+    prompts = _prompts(rng, model.config.vocab_size)[:2]
+    alone = specjax.generate(model, prompts[0], max_new_tokens=20, stop_ids=()).tokens
+
+    class Raising:
+        def propose(self, history, limit):
+            raise RuntimeError("drafter bug")
+
+    for drafter, message in ((Raising(), "propose raised RuntimeError: drafter bug"),
+                             (_Constant([1.5]), "must return token ids")):
+        engine = Engine(model, 7, max_batch=2, rounds=4)
+        good = engine.submit(prompts[0], max_new_tokens=20, stop_ids=())
+        bad = engine.submit(prompts[1], max_new_tokens=20, stop_ids=(), drafter=drafter)
+        assert good.result().tokens == alone
+        assert bad.done and bad.error is not None
+        with pytest.raises(GenerationError, match=f"request {bad.id}: .*{message}"):
+            bad.result()
+        with pytest.raises(GenerationError, match=message):
+            list(bad)
+
+
+def test_a_request_that_meets_nan_logits_fails_alone(tmp_path):
+    """NaN logits (a NaN embedding row fed to the target) fail the request whose step met
+    them: in its prefill, or in a decode step where its drafter proposed that token; its
+    result() raises FloatingPointError, and the request beside it is the same as alone."""
+    from safetensors.numpy import load_file, save_file
+
+    hf_tiny(tmp_path, seed=5, tie_word_embeddings=False)
+    weights = load_file(tmp_path / "model.safetensors")
+    poison = 7
+    weights["model.embed_tokens.weight"][poison] = np.nan
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    model = specjax.load(tmp_path)
+    healthy = [3, 14, 15, 92, 65, 35, 89, 79]
+    alone = specjax.generate(model, healthy, max_new_tokens=16, stop_ids=()).tokens  # never feeds the poison
+    assert poison not in alone
+    for bad_prompt, drafter, where in (([5, poison, 9], None, "prefill"), ([5, 6, 9], _Constant([poison]), "decode")):
+        engine = Engine(model, Speculation(k=3, adaptive=False), max_batch=2, rounds=4)  # drafts always verified
+        good = engine.submit(healthy, max_new_tokens=16, stop_ids=(), k=0)
+        bad = engine.submit(bad_prompt, max_new_tokens=16, stop_ids=(), drafter=drafter)
+        assert good.result().tokens == alone
+        with pytest.raises(FloatingPointError, match=f"{where}.* request {bad.id}|{where} of request {bad.id}"):
+            bad.result()
 
 
 def test_compile_leaves_nothing_to_compile(cyclic_target, rng):

@@ -395,6 +395,39 @@ def test_a_prompt_being_tokenized_leaves_the_server_answering(model):
     assert error["type"] == "server_error" and "the test's tokenizer failed" in error["message"]
 
 
+def test_a_request_meeting_nan_fails_alone_and_the_others_are_served(tmp_path, tokenizer):
+    """A completion whose prompt feeds a token with a NaN embedding (the shipped model with
+    its head untied and one embedding row poisoned) is a 500 naming NaN logits; completions
+    sent with it, which never feed that token, are what they are alone, and so is one sent
+    after it."""
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "poisoned"
+    shutil.copytree(SHIPPED, folder)
+    weights = load_file(folder / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    healthy, bad_prompt = PROMPTS[:3], "x = a @ b"
+    poison = next(t for t in ids_of(tokenizer, bad_prompt) if all(t not in ids_of(tokenizer, p) for p in healthy))
+    weights["lm_head.weight"] = embed.copy()
+    embed[poison] = np.nan
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    model = specjax.load(folder)
+    want = [alone(model, tokenizer, ids_of(tokenizer, p), 12)[0] for p in healthy]
+    assert all(poison not in specjax.generate(model, ids_of(tokenizer, p), max_new_tokens=12).tokens
+               for p in healthy)
+    engine = Engine(model, None, max_batch=4, max_len=MAX_LEN)
+    with running(create_app(engine, NAME)) as base, ThreadPoolExecutor(4) as pool:
+        post = lambda prompt: httpx.post(f"{base}/v1/completions", timeout=120,  # noqa: E731
+                                         json={"prompt": prompt, "max_tokens": 12, "temperature": 0})
+        sent = [pool.submit(post, p) for p in [bad_prompt, *healthy[:2]]]
+        bad, *good = [f.result() for f in sent]
+        good.append(post(healthy[2]))
+    assert bad.status_code == 500 and "NaN" in bad.json()["error"]["message"], bad.text
+    assert [r.json()["choices"][0]["text"] for r in good] == want
+
+
 def test_neutral_values_must_match_in_type_and_endpoint(served):
     """A field the server does not implement passes only with its neutral value, a boolean
     only where that is one (0 == False in Python, but logprobs: 0 asks for logprobs), and
