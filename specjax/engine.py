@@ -191,6 +191,8 @@ class Engine:
         for name, value, low in (("max_batch", max_batch, 1), ("page_size", page_size, 1), ("rounds", rounds, 1)):
             if not is_integer(value) or value < low:
                 raise GenerationError(f"{name} must be an integer >= {low}, got {value!r}")
+        if num_pages is not None and (not is_integer(num_pages) or num_pages < 2):
+            raise GenerationError(f"num_pages must be an integer >= 2 (one page is scratch), got {num_pages!r}")
         max_len = min(cfg.max_position_embeddings, 4096) if max_len is None else max_len
         if not is_integer(max_len) or not 2 <= max_len <= cfg.max_position_embeddings:
             raise GenerationError(f"max_len must be an integer in [2, max_position_embeddings = "
@@ -315,6 +317,9 @@ class Engine:
         stops = stop_set(self.model.eos_ids if stop_ids is None else stop_ids)
         if drafter is not None and not isinstance(drafter, HostDrafter):
             raise GenerationError(f"drafter must have a propose(history, limit) method, got {type(drafter).__name__}")
+        if drafter is not None and k == 0:
+            raise GenerationError("a drafter needs drafts to fill: k = 0 here (an engine built with "
+                                  "speculative=k > 0, and a request k > 0)")
         req = Request(self, self._next_id, ids.astype(np.int32), max_new_tokens, sampling, seed, stops, k,
                       (bool(lookup) or drafter is not None, bool(draft) and self.draft is not None,
                        bool(dflash) and self.dflash is not None), drafter,

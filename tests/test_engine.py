@@ -396,6 +396,13 @@ def test_a_drafter_that_fails_ends_its_request_alone(cyclic_target, rng):
             list(bad)
 
 
+def test_a_drafter_without_drafts_to_fill_and_a_fractional_pool_are_refused(cyclic_target):
+    with pytest.raises(GenerationError, match="a drafter needs drafts to fill"):  # it would never be asked
+        Engine(cyclic_target).submit([1, 2, 3], max_new_tokens=5, drafter=_Constant([1]))
+    with pytest.raises(GenerationError, match="num_pages must be an integer >= 2"):
+        Engine(cyclic_target, 3, num_pages=64.0)
+
+
 def test_a_request_that_meets_nan_logits_fails_alone(tmp_path):
     """NaN logits (a NaN embedding row fed to the target) fail the request whose step met
     them: in its prefill, or in a decode step where its drafter proposed that token; its
