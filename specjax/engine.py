@@ -489,7 +489,6 @@ class Engine:
                 continue
             r.dlen, r.clen = int(dlen[b]), int(clen[b])
             r.state = {name: counts[b] for name, counts in state.items()}
-            committed: list[int] = []
             for i in range(log["counts"].shape[0]):
                 c, n = int(log["counts"][i, b]), int(log["drafts"][i, b])
                 if c == 0:
@@ -500,8 +499,11 @@ class Engine:
                 source = int(log["source"][i, b])
                 r.stats.choices.append((None if source < 0 else "host" if r.drafter is not None and source == 0
                                         else SOURCES[source], n))
-                committed += [int(x) for x in log["tokens"][i, b, :c]]
-            self._emit(r, committed, new)
+                # the device stops a row at the stop ids it holds (`STOPS` of them) or its budget; the host
+                # at any of them, so the rounds after that are neither output nor counted
+                self._emit(r, [int(x) for x in log["tokens"][i, b, :c]], new)
+                if r.done:
+                    break
 
     def _host_proposals(self, live: list[Request], new: dict[Request, list[int]]) -> dict[Request, np.ndarray]:
         """The drafts of each live request with a host drafter (asked before every round); a

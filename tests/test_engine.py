@@ -427,6 +427,27 @@ def test_a_request_that_meets_nan_logits_fails_alone(tmp_path):
             bad.result()
 
 
+def test_stop_ids_past_those_the_device_holds_end_output_and_stats_alike(cyclic_target, rng):
+    """The device holds a row's 8 smallest stop ids; one past them stops the request on
+    the host, and neither its tokens nor its stats (steps, drafts, accepted) count the
+    rounds the device ran after it: the same as with that stop id alone."""
+    model = cyclic_target
+    v = model.config.vocab_size
+    prompt = _prompts(rng, v)[0]
+    plain = specjax.generate(model, prompt, max_new_tokens=60, stop_ids=()).tokens
+    absent = [t for t in range(v) if t not in plain]
+    hit = next(t for t in plain[8:] if sum(a < t for a in absent) >= 8)  # 8 smaller stop ids never met
+    stops = [a for a in absent if a < hit][:12] + [hit]
+    runs = {}
+    for ids in ([hit], stops):
+        engine = Engine(model, Speculation(k=7, adaptive=False), max_batch=1, rounds=16)
+        runs[len(ids)] = engine.submit(prompt, max_new_tokens=60, stop_ids=ids).result()
+    one, many = runs[1], runs[len(stops)]
+    assert many.tokens == one.tokens == plain[:plain.index(hit) + 1] and many.stopped
+    assert (many.stats.steps, many.stats.drafted, many.stats.accepted) == (
+        one.stats.steps, one.stats.drafted, one.stats.accepted)
+
+
 def test_compile_leaves_nothing_to_compile(cyclic_target, rng):
     """After Engine.compile, requests finishing at different times (every row count) and the
     prefill of new ones compile nothing."""
