@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from .errors import SpecjaxError
 
@@ -416,30 +416,29 @@ def _proposer(args, target):
 
 
 class _Streamer:
-    """Prints text as tokens arrive, holding back incomplete UTF-8 sequences (token ids
-    when the model has no tokenizer)."""
+    """Prints a run's text as its tokens arrive: the text the server's completions give
+    (`textstream.TextStream`: the stop ids and special tokens left out, an incomplete UTF-8
+    sequence held back until the next tokens), or the token ids themselves when the model
+    has no tokenizer."""
 
-    def __init__(self, tokenizer, out=None):
-        self.tok, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], 0
+    def __init__(self, tokenizer, stop_ids: Iterable[int] = (), out=None):
+        from .textstream import TextStream
+
+        self.out = out or sys.stdout
+        self.text = None if tokenizer is None else TextStream(tokenizer, stop_ids=stop_ids)
 
     def __call__(self, new: list[int]) -> None:
-        if self.tok is None:  # no tokenizer: the ids themselves
-            self.out.write("".join(f"{t}," for t in new))
-            self.out.flush()
-            return
-        self.ids += new
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return
-        self.out.write(text[self.shown:])
-        self.out.flush()
-        self.shown = len(text)
+        self._write("".join(f"{t}," for t in new) if self.text is None else self.text.add(new))
 
     def close(self) -> None:
         """Print what is still held back: the text of a last chunk that ends inside a UTF-8
         sequence (cut there by --max-new-tokens), as the tokenizer decodes it (U+FFFD)."""
-        if self.tok is not None and self.ids:
-            self.out.write(self.tok.decode(self.ids)[self.shown:])
+        if self.text is not None:
+            self._write(self.text.add([], final=True))
+
+    def _write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
             self.out.flush()
 
 
@@ -479,7 +478,10 @@ def _generate_batch(args, model, sampling) -> int:
     wall = time.perf_counter() - t1
     for i, res in enumerate(results):
         print(f"=== {i} ===")
-        print(model.tokenizer.decode(res.tokens))
+        stream = _Streamer(model.tokenizer, model.eos_ids)
+        stream(res.tokens)
+        stream.close()
+        print()
     total = sum(r.stats.new_tokens for r in results)
     per = [r.stats.tokens_per_s for r in results]
     steps = sum(r.stats.steps for r in results)
@@ -538,7 +540,7 @@ def _generate(args) -> int:
         return _generate_batch(args, model, sampling)
     ids = _prompt_ids(args, model.tokenizer, folder, model.config)
     proposer = _proposer(args, model)
-    stream = _Streamer(model.tokenizer)
+    stream = _Streamer(model.tokenizer, model.eos_ids)
     kw = dict(sampling=sampling, seed=args.seed, stop_ids=model.eos_ids, speculative=proposer,
               capacity=capacity_for(len(ids) + args.max_new_tokens))
     t0 = time.perf_counter()

@@ -164,7 +164,7 @@ def test_batch_prints_every_result_as_generated_alone(folder, tmp_path, capsys):
 
     model = specjax.load(folder)
     texts = ["def f(x):\n    return x\n" * 2, "class A:\n    pass\n", "import os"]
-    want = [model.tokenizer.decode(specjax.generate(model, model.tokenizer(t)["input_ids"], max_new_tokens=10).tokens)
+    want = [_shown(model, specjax.generate(model, model.tokenizer(t)["input_ids"], max_new_tokens=10).tokens)
             for t in texts]
     lines = tmp_path / "prompts.txt"
     lines.write_text("\n".join(t.replace("\n", " ") for t in texts[1:]) + "\n")
@@ -194,7 +194,7 @@ def test_prompt_files_are_utf8_with_bom_crlf_and_only_newlines_ending_lines(fold
 
     model = specjax.load(folder)
     tok = model.tokenizer
-    gen = lambda text: tok.decode(specjax.generate(model, tok(text)["input_ids"], max_new_tokens=6).tokens)
+    gen = lambda text: _shown(model, specjax.generate(model, tok(text)["input_ids"], max_new_tokens=6).tokens)
     single = tmp_path / "one.txt"
     single.write_bytes(b"\xef\xbb\xbfdef f(x):\r\n    return x\r\n")
     code, out, err = _run(capsys, "generate", "--model", str(folder), "--prompt-file", str(single),
@@ -246,6 +246,25 @@ def test_chat_wraps_the_prompt_and_refuses_a_blank_one(folder, tmp_path, capsys)
         assert e.value.code == 2 and "--prompt: the prompt is empty" in capsys.readouterr().err
 
 
+def _shown(model, tokens) -> str:
+    """The text a run's tokens show, as the server's completions give it: without the stop
+    (eos) ids and special tokens."""
+    return model.tokenizer.decode([t for t in tokens if t not in model.eos_ids], skip_special_tokens=True)
+
+
+def test_generated_text_leaves_out_the_eos_token(capsys):
+    """The shipped model ends this prompt's continuation with its eos token at once: the
+    command prints no text for it (it printed "<|endoftext|>"), and says 1 token."""
+    import specjax
+    from specjax.cli import DEFAULT_MODEL
+
+    model = specjax.load(DEFAULT_MODEL)
+    prompt = 'if __name__ == "__main__":\n    main()\n'
+    assert specjax.generate(model, model.tokenizer(prompt)["input_ids"], max_new_tokens=8).tokens == list(model.eos_ids[:1])
+    code, text, err = _run(capsys, "generate", "--prompt", prompt, "--max-new-tokens", "8", "--no-warmup")
+    assert code == 0 and text == "" and "[1 tokens" in err, (text, err)
+
+
 def test_stream_ends_with_all_the_text_decode_gives(capsys):
     """The streamer holds back text ending inside a UTF-8 sequence until more tokens come; at
     the end of the run what it held (the whole last chunk) is printed, as decode shows it.
@@ -259,7 +278,7 @@ def test_stream_ends_with_all_the_text_decode_gives(capsys):
     tok = specjax.load(DEFAULT_MODEL).tokenizer
     ids = tok("abc")["input_ids"] + tok("\u00e9")["input_ids"][:1]  # the first byte of a 2-byte character
     out = io.StringIO()
-    stream = _Streamer(tok, out)
+    stream = _Streamer(tok, out=out)
     stream(ids)
     stream.close()
     assert out.getvalue() == tok.decode(ids) and out.getvalue().endswith("\ufffd")
@@ -267,8 +286,8 @@ def test_stream_ends_with_all_the_text_decode_gives(capsys):
     model = specjax.load(DEFAULT_MODEL)
     prompt = "s = '" + "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 " * 3 + "\u65e5\u672c\u8a9e\u306e"
     ids = model.tokenizer(prompt)["input_ids"]
-    want = model.tokenizer.decode(specjax.generate(model, ids, max_new_tokens=14, seed=4,
-                                                   sampling=Sampling(temperature=1.0)).tokens)
+    want = _shown(model, specjax.generate(model, ids, max_new_tokens=14, seed=4,
+                                          sampling=Sampling(temperature=1.0)).tokens)
     code, text, err = _run(capsys, "generate", "--prompt", prompt, "--max-new-tokens", "14", "--temperature", "1",
                            "--seed", "4", "--no-warmup")
     assert code == 0 and text == want, err
