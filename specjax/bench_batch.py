@@ -173,7 +173,8 @@ def _cell_line(cell: dict[str, Any]) -> str:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    lines = [f"Concurrency run of {results['date']} on {results['machine'].get('cpu', '?')}; "
+    m = results["machine"]
+    lines = [f"Concurrency run of {results['date']} on {m['cpus']} CPUs ({m['backend']}, jax {m['jax']}); "
              f"{results['config']['prompt_tokens']}-token prompts, {results['config']['new_tokens']} new tokens.", "",
              "| workload | sampling | c | plain agg tok/s | per-request tok/s (median / p90) | TTFT ms | ITL ms "
              "| auto | best fixed k | auto / best fixed | auto tokens/step | ours / HF plain | exact |",

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -244,6 +245,7 @@ def test_concurrency_run_writes_every_cell_and_stays_exact(tmp_path):
     written = json.loads((tmp_path / "out" / "concurrency.json").read_text())
     assert len(written["cells"]) == 2
     assert (tmp_path / "out" / "concurrency.md").read_text().count("\n| edit |") == 2
+    assert f"on {os.cpu_count()} CPUs (cpu, jax {jax.__version__})" in (tmp_path / "out" / "concurrency.md").read_text()
 
 
 @pytest.mark.parametrize("argv, message", [
