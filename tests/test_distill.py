@@ -4,8 +4,10 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from specjax.config import Qwen3Config
+from specjax.errors import SpecjaxError
 from train import distill
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-code"
@@ -42,3 +44,17 @@ def test_shards_hold_prompt_and_reply_through_eos(tmp_path, rng):
         np.testing.assert_array_equal(doc, expected[i])
     for doc, i in zip(train, [i for i in range(n) if i not in held]):
         np.testing.assert_array_equal(doc, expected[i])
+
+
+def test_a_vocabulary_past_uint16_is_refused_not_wrapped(tmp_path):
+    """A target of Qwen3's 151936 tokens: its ids would wrap in the uint16 shards (100000
+    became 34464), so the build refuses before writing anything."""
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, eos_token_id=151645)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps({"prompt_len": 2, "target": {"config": cfg.to_hf()}}))
+    np.save(data / "seqs-00000.npy", np.array([[10, 20, 100000, 151000, 151645]], np.int32))
+    with pytest.raises(SpecjaxError, match="151936 tokens does not fit uint16 shards"):
+        distill.build(data, tmp_path / "out", TOKENIZER)
+    assert not (tmp_path / "out").exists()

@@ -22,6 +22,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from specjax.config import Qwen3Config
+from specjax.errors import SpecjaxError
 from train.dflash_data import reply_lengths
 
 HELDOUT_EVERY = 20
@@ -34,7 +35,11 @@ def build(data: Path, out: Path, tokenizer_dir: Path) -> dict:
     if not shards:
         raise ValueError(f"{data}: no seqs-*.npy shards (generate them with python -m train.dflash)")
     seqs = np.concatenate([np.load(f) for f in shards])
-    eos_ids = Qwen3Config.from_hf(plan["target"]["config"]).eos_ids
+    target = Qwen3Config.from_hf(plan["target"]["config"])
+    if target.vocab_size > np.iinfo(np.uint16).max + 1:  # shards are uint16 (train.data, train.lm)
+        raise SpecjaxError(f"{data / 'meta.json'}: the target's vocabulary of {target.vocab_size} tokens does not "
+                           f"fit uint16 shards (at most {np.iinfo(np.uint16).max + 1})")
+    eos_ids = target.eos_ids
     if not eos_ids:
         raise ValueError(f"{data / 'meta.json'}: the target has no eos_token_id")
     eos = eos_ids[0]
