@@ -331,14 +331,52 @@ def load_params(folder: str | Path, cfg: Qwen3Config, dtype: Any, transform: Tra
     return layers_from_hf(items, cfg, transform=transform)
 
 
+SAVE_DTYPES = ("float32", "bfloat16", "float16")  # what `load` reads back
+
+
+def save_dtype(dtype: Any) -> str:
+    """The name of a dtype weights may be saved in (SAVE_DTYPES); anything else (int8,
+    which would truncate the weights, float64, which safetensors.flax writes as float32, a
+    misspelling) is a CheckpointError, raised before anything is written."""
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in SAVE_DTYPES:
+        raise CheckpointError(f"dtype must be one of {', '.join(SAVE_DTYPES)} (what specjax.load reads back), "
+                              f"got {dtype!r}")
+    return name
+
+
+def _remove_weights(folder: Path) -> None:
+    """Delete the weight files a previous save left in `folder` (model.safetensors, or an
+    index and the shards it lists), so that a save over it never leaves two sets of
+    weights, of which `_weight_files` would read the index's."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            listed = set(_weight_map(index).values())
+        except CheckpointError:  # not an index we wrote: only the index itself goes
+            listed = set()
+        for name in listed:
+            shard = folder / name
+            if shard.parent == folder and shard.suffix == ".safetensors":
+                shard.unlink(missing_ok=True)
+        index.unlink()
+    (folder / "model.safetensors").unlink(missing_ok=True)
+
+
 def write_tensors(folder: str | Path, tensors: dict[str, Any], dtype: str = "bfloat16",
                   max_shard_bytes: int | None = None) -> None:
-    """Write a flat name -> array dict as model.safetensors, or shards plus an index."""
+    """Write a flat name -> array dict as model.safetensors, or shards plus an index, in
+    place of any weights a previous save left in the folder."""
     from safetensors.flax import save_file
 
+    dtype = save_dtype(dtype)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     arrays = {k: jnp.asarray(v).astype(dtype) for k, v in sorted(tensors.items())}
+    _remove_weights(folder)
     if max_shard_bytes is None:
         save_file(arrays, str(folder / "model.safetensors"), metadata={"format": "pt"})
         return
@@ -362,10 +400,10 @@ def write_tensors(folder: str | Path, tensors: dict[str, Any], dtype: str = "bfl
 
 def save(folder: str | Path, params: Params, cfg: Qwen3Config, dtype: str = "bfloat16",
          max_shard_bytes: int | None = None) -> None:
-    """Write config.json and weights in HF layout (loads in transformers and specjax)."""
+    """Write weights and config.json in HF layout (loads in transformers and specjax); the
+    config last, so a save that fails leaves no config describing weights it did not write."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     hf_cfg = cfg.to_hf()
-    hf_cfg["torch_dtype"] = dtype
-    (folder / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    hf_cfg["torch_dtype"] = save_dtype(dtype)
     write_tensors(folder, to_hf(params, cfg), dtype, max_shard_bytes)
+    (folder / "config.json").write_text(json.dumps(hf_cfg, indent=2))

@@ -399,11 +399,10 @@ def save_dflash(drafter: Drafter, path: str | Path, dtype: str = "bfloat16") -> 
     if not isinstance(drafter, Drafter):
         raise DFlashError(f"save_dflash(drafter, path) needs a Drafter, got {type(drafter).__name__}")
     folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
     raw = drafter.config.to_hf()
-    raw["torch_dtype"] = dtype
-    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    raw["torch_dtype"] = dtype = checkpoint.save_dtype(dtype)
     checkpoint.write_tensors(folder, to_hf(drafter.params, drafter.config), dtype)
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
     if drafter.vocab is not None:
         (folder / VOCAB_FILE).write_text(json.dumps({"token_ids": [int(i) for i in drafter.vocab]}))
     else:

@@ -87,6 +87,33 @@ def test_save_round_trips_to_transformers(tmp_path, rng, tiny):
     _compare(ref, specjax.load(tmp_path), rng)
 
 
+def test_a_save_over_another_replaces_its_weights_and_a_bad_dtype_writes_nothing(tmp_path, rng, tiny):
+    """Saving model b where model a was saved (sharded over single and single over sharded)
+    leaves b's weights alone: transformers and specjax both read b back. A dtype load cannot
+    read back is refused before any file changes."""
+    import dataclasses
+
+    from transformers import Qwen3ForCausalLM
+
+    from specjax.cpu_kernels import unpack_tree
+    from specjax.errors import SpecjaxError
+
+    _, _, a = tiny
+    embed = unpack_tree(a.params["model.embed_tokens.weight"])
+    b = dataclasses.replace(a, params={**a.params, "model.embed_tokens.weight": 1.5 * embed})
+    for first, second in (({"max_shard_bytes": 30_000}, {}), ({}, {"max_shard_bytes": 30_000})):
+        folder = tmp_path / f"over-{len(first)}"
+        specjax.save(a, folder, dtype="float32", **first)
+        specjax.save(b, folder, dtype="float32", **second)
+        _compare(Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), b, rng)
+        _compare(Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), specjax.load(folder), rng)
+    before = {f.name: f.read_bytes() for f in folder.iterdir()}
+    for dtype in ("int8", "float64", "bogus"):
+        with pytest.raises(SpecjaxError, match=f"dtype must be one of float32, bfloat16, float16 .* got '{dtype}'"):
+            specjax.save(b, folder, dtype=dtype)
+    assert {f.name: f.read_bytes() for f in folder.iterdir()} == before
+
+
 def test_taps_are_transformers_hidden_states(rng, calm):
     ref, model = calm
     ids = rng.integers(0, model.config.vocab_size, (1, 11))
