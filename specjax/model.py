@@ -18,7 +18,7 @@ from .config import ConfigError, Qwen3Config, parse_eos, read_json, typed
 from .errors import SpecjaxError
 from .runtime import enable_compilation_cache
 from .sampling import Sampling, SamplingError
-from .sharding import AXIS, make_mesh, placer, shard_params
+from .sharding import AXIS, make_mesh, mesh_axis, placer, shard_params
 
 
 class DtypeError(SpecjaxError):
@@ -196,7 +196,7 @@ def reading(folder: Path, dtype: Any, default: Any, mesh: jax.sharding.Mesh | No
         return checkpoint.loading(dtype, requested)
     if dtype == jnp.int8:
         raise CheckpointError(f"{folder}: int8 weights run on the CPU kernels of one device, not over a mesh")
-    return dtype, placer(mesh), False
+    return dtype, placer(mesh, mesh_axis(mesh)), False
 
 
 def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = None, kv_dtype: Any = None

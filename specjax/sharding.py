@@ -46,6 +46,19 @@ def make_mesh(devices: Sequence[jax.Device] | None = None, axis: str = AXIS) -> 
     return Mesh(np.array(list(devices if devices is not None else jax.local_devices())), (axis,))
 
 
+def mesh_axis(mesh: Mesh) -> str:
+    """The axis that `load(..., mesh=)` splits weights over: AXIS where the mesh has it,
+    else the mesh's only axis; a mesh of several axes, none of them AXIS, is refused by
+    name (which one is tensor-parallel is not for specjax to guess)."""
+    names = tuple(mesh.axis_names)
+    if AXIS in names:
+        return AXIS
+    if len(names) == 1:
+        return names[0]
+    raise ShardingError(f"mesh axes {names}: none is named {AXIS!r}, the axis specjax splits weights over; "
+                        f"name the tensor-parallel one {AXIS!r} or pass a one-axis mesh (specjax.make_mesh)")
+
+
 def spec_for(name: str, shape: tuple[int, ...], n_devices: int, axis: str = AXIS) -> PartitionSpec:
     """The PartitionSpec of weight `name` (an HF name, or a layer's name within the layer)."""
     dim = next((d for suffix, d in SPLIT_DIM.items() if name.endswith(suffix)), None)

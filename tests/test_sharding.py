@@ -62,6 +62,15 @@ CHILD = textwrap.dedent("""
                             "max_logit_diff": float(np.abs(got - want).max()), "logit_scale": float(np.abs(want).max())}
         if n != 2:  # generation on the 2-device mesh only (each run compiles its steps for the placement)
             continue
+        # a mesh whose one axis has another name: loading splits over it as shard() is told to
+        other = sharding.make_mesh(jax.devices()[:n], axis="x")
+        by_name = specjax.shard(model, other, axis="x").params
+        out["other_axis_differ"] = [jax.tree_util.keystr(path) for (path, a), b in
+                                    zip(jax.tree_util.tree_leaves_with_path(by_name),
+                                        jax.tree.leaves(specjax.load(folder, mesh=other).params))
+                                    if not (a.sharding == b.sharding and np.array_equal(a, b))]
+        out["other_axis_drafter"] = [a for a in specjax.load_dflash(drafter_folder, sm, mesh=other).params[
+            dflash.DRAFT_LAYERS][0]["self_attn.qkv_proj.weight"].sharding.spec]
         plain = specjax.generate(sm, ids, max_new_tokens=20).tokens
         runs = {"ngram": specjax.generate(sm, ids, max_new_tokens=20, speculative=NgramProposer(k=4)).tokens,
                 "dflash": specjax.generate(sm, ids, max_new_tokens=20, speculative=DFlashProposer(drafter, k=3)).tokens,
@@ -83,6 +92,11 @@ CHILD = textwrap.dedent("""
         out["three"] = "no error"
     except sharding.ShardingError as e:
         out["three"] = str(e)
+    try:
+        specjax.load(folder, mesh=jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b")))
+        out["two_axes"] = "no error"
+    except sharding.ShardingError as e:
+        out["two_axes"] = str(e)
     print("RESULT " + json.dumps(out))
 """)
 
@@ -127,6 +141,15 @@ def test_loading_onto_a_mesh_places_as_shard_does(sharded):
         specs = mesh["drafter_specs"]
         assert specs["self_attn.qkv_proj.weight"][0] == "tp" and specs["self_attn.o_proj.weight"][1] == "tp", specs
         assert not any(specs["input_layernorm.weight"]), specs
+
+
+def test_a_mesh_axis_of_any_name_is_the_one_loading_splits_over(sharded):
+    """load(mesh=) over a one-axis mesh named "x" places each weight as shard(..., axis="x")
+    does (it failed with KeyError 'tp'); a mesh of two axes, neither "tp", is refused by name."""
+    seed, out = sharded
+    assert out["other_axis_differ"] == [], (seed, out["other_axis_differ"])
+    assert out["other_axis_drafter"][0] == "x", out["other_axis_drafter"]
+    assert "mesh axes ('a', 'b'): none is named 'tp'" in out["two_axes"], out["two_axes"]
 
 
 def test_sharded_logits_match_unsharded(sharded):
