@@ -362,11 +362,21 @@ def read_markov(path: Path, vocab_size: int) -> Params:
     if set(raw) != set(MARKOV_NAMES.values()):
         raise DFlashError(f"{path}: expected tensors {sorted(MARKOV_NAMES.values())}, found {sorted(raw)}")
     head = {key: raw[name] for key, name in MARKOV_NAMES.items()}
-    w1, w2 = head["w1"].shape, head["w2"].shape
-    if len(w1) != 2 or w1[0] != vocab_size or w2 != w1:
-        raise DFlashError(f"{path}: {MARKOV_NAMES['w1']} {w1} and {MARKOV_NAMES['w2']} {w2} must both be "
-                          f"[{vocab_size}, rank] (the target's vocabulary)")
+    check_markov(head, vocab_size, str(path), MARKOV_NAMES)
     return {k: jnp.asarray(v, jnp.float32) for k, v in head.items()}
+
+
+def check_markov(head: Any, vocab_size: int, source: str, names: dict[str, str] | None = None) -> None:
+    """A Markov head's tensors w1 and w2 (named `names` in `source`) must both be [vocab_size,
+    rank]; else a DFlashError naming `source`."""
+    if not isinstance(head, dict) or set(head) != {"w1", "w2"}:
+        raise DFlashError(f"{source}: a Markov head is {{'w1', 'w2'}}, got "
+                          f"{sorted(head) if isinstance(head, dict) else type(head).__name__}")
+    names = names or {"w1": "w1", "w2": "w2"}
+    w1, w2 = tuple(np.shape(head["w1"])), tuple(np.shape(head["w2"]))
+    if len(w1) != 2 or w1[0] != vocab_size or w2 != w1:
+        raise DFlashError(f"{source}: {names['w1']} {w1} and {names['w2']} {w2} must both be "
+                          f"[{vocab_size}, rank] (the target's vocabulary)")
 
 
 def check_vocab(ids: Any, vocab_size: int, source: str) -> np.ndarray:

@@ -139,6 +139,14 @@ class DFlashProposer:
         if not isinstance(self.drafter, dflashlib.Drafter):
             raise ProposerError(f"DFlashProposer needs a drafter (specjax.load_dflash(folder, target)), "
                                 f"got {type(self.drafter).__name__}")
+        # what load_dflash checks of a folder, for a drafter built or changed in memory
+        d = self.drafter
+        where = str(d.path) if d.path else "the DFlash drafter"
+        if d.vocab is not None:
+            dflashlib.check_vocab(d.vocab, d.config.vocab_size, f"{where}: its draft vocabulary (Drafter.vocab)")
+        if dflashlib.MARKOV in d.params:
+            dflashlib.check_markov(d.params[dflashlib.MARKOV], d.config.vocab_size,
+                                   f"{where}: its Markov head (params[{dflashlib.MARKOV!r}])")
         largest = min(self.drafter.config.block_size - 1, steps.BUCKETS[-1] - 1)
         if self.k is None:
             object.__setattr__(self, "k", largest)

@@ -181,6 +181,8 @@ def test_draft_vocabulary_saves_loads_and_is_checked(tiny, tmp_path, rng):
         (tmp_path / "d" / dflash.VOCAB_FILE).write_text(json.dumps({"token_ids": bad}))
         with pytest.raises(DFlashError, match=f"draft_vocab.json: token_ids must .*{why}"):
             load_dflash(tmp_path / "d", model)
+        with pytest.raises(DFlashError, match=f"draft vocabulary .*: token_ids must .*{why}"):  # built in memory
+            specjax.DFlashProposer(dataclasses.replace(drafter, vocab=bad), k=3)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "adaptive", "draft vocabulary", "tree"])

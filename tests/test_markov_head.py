@@ -221,6 +221,11 @@ def test_bad_markov_files_are_refused(tiny, tmp_path):
         save_file(tensors, str(tmp_path / MARKOV_FILE))
         with pytest.raises(DFlashError, match=f"{MARKOV_FILE}: .*{why}"):
             load_dflash(tmp_path, model)
+    drafter = dflash.init(model.config, jax.random.key(7), num_layers=1, block_size=4)
+    for head, why in (({"w1": np.zeros((v, 4))}, "a Markov head is"),
+                      ({"w1": np.zeros((50, 4)), "w2": np.zeros((50, 4))}, r"must both be \[101, rank\]")):
+        with pytest.raises(DFlashError, match=f"its Markov head .*{why}"):  # built in memory
+            specjax.DFlashProposer(dataclasses.replace(drafter, params={**drafter.params, MARKOV: head}), k=3)
     (tmp_path / MARKOV_FILE).write_bytes(b"not safetensors")
     with pytest.raises(DFlashError, match="not a readable safetensors file"):
         load_dflash(tmp_path, model)
