@@ -3,6 +3,7 @@ forward, labels and loss weights, resumable data, and a short run that learns an
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -23,6 +24,8 @@ B = 8  # block size of the test drafters
 TC = trainer.DFlashTrainConfig(steps=80, batch=4, anchors=8, lr=2e-2, warmup_ratio=0.1, eval_every=80,
                                eval_tokens=32, save_every_minutes=100)
 DC = DataConfig(prompts=8, prompt_len=16, response_len=48, edit_share=0.0, shard_size=3)
+
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 
 
 @pytest.fixture(scope="module")
@@ -435,6 +438,25 @@ def test_draft_vocabulary_is_the_most_frequent_tokens(rng):
     ids = most_frequent(counts, 4, always=(25,))
     assert ids.tolist() == sorted(top + [25])
     assert coverage(counts, ids) == sum(want[chr(97 + i)] for i in top) / sum(want.values())
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--chars", "0"], "--chars: must be an integer of at least 1"),  # counted nothing, wrote ids 0 .. size - 1
+    (["--chars", "-5"], "--chars: must be an integer of at least 1"),  # sliced doc[:-5]
+    (["--size", "0"], "--size: must be an integer of at least 1"),
+    (["--size", "9000"], "--size 9000: more than the drafter's vocabulary of 8192 tokens"),
+])
+def test_draft_vocab_flags_out_of_range_are_refused_before_counting(flags, message, tmp_path, monkeypatch, capsys):
+    from train import draft_vocab
+
+    shutil.copytree(CHECKPOINTS / "tiny-code-dflash", tmp_path / "d")
+    before = (tmp_path / "d" / "draft_vocab.json").read_bytes()
+    monkeypatch.setattr(draft_vocab, "token_counts", lambda *a: pytest.fail("counted"))
+    with pytest.raises(SystemExit) as e:
+        draft_vocab.main(["--drafter", str(tmp_path / "d"), "--target", str(CHECKPOINTS / "tiny-code"),
+                          *flags])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert (tmp_path / "d" / "draft_vocab.json").read_bytes() == before
 
 
 def test_eval_prompts_no_held_out_file_can_give_are_refused_before_the_data(tmp_path, capsys):

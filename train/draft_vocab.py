@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from specjax.dflash import VOCAB_FILE, DFlashConfig, check_vocab
 from train import corpus
+from train.lm import positive_int
 
 
 def token_counts(tokenizer: Any, documents: Iterable[str], vocab_size: int, chars: int, desc: str) -> np.ndarray:
@@ -61,13 +62,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--drafter", type=Path, required=True, help="DFlash drafter folder (draft_vocab.json goes here)")
     p.add_argument("--target", type=Path, default=Path("checkpoints/tiny-code"),
                    help="the target folder whose tokenizer counts the corpus")
-    p.add_argument("--size", type=int, default=2048, help="tokens in the draft vocabulary")
-    p.add_argument("--chars", type=int, default=20_000_000, help="training-corpus characters to count")
+    p.add_argument("--size", type=positive_int, default=2048, help="tokens in the draft vocabulary")
+    p.add_argument("--chars", type=positive_int, default=20_000_000, help="training-corpus characters to count")
     args = p.parse_args(argv)
 
     from transformers import AutoTokenizer
 
     cfg = DFlashConfig.from_file(args.drafter / "config.json")
+    if args.size > cfg.vocab_size:  # before minutes of counting
+        p.error(f"--size {args.size}: more than the drafter's vocabulary of {cfg.vocab_size} tokens")
     tokenizer = AutoTokenizer.from_pretrained(str(args.target))
     counts = token_counts(tokenizer, corpus.training_documents(), cfg.vocab_size, args.chars, "training corpus")
     ids = check_vocab(most_frequent(counts, args.size, tokenizer.all_special_ids), cfg.vocab_size, "draft vocabulary")
@@ -78,4 +81,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from train import run
+
+    run(main, "python -m train.draft_vocab")
