@@ -179,8 +179,12 @@ def test_init_from_a_saved_model_starts_from_its_weights(tmp_path):
     state = lm.state_from_folder(tmp_path / "model", CFG, TC)
     assert_trees_equal(state["params"], saved)
     assert_trees_equal(state["opt_state"], lm.make_optimizer(TC).init(saved))
-    with pytest.raises(ValueError, match="--init model differs"):
+    with pytest.raises(lm.FlagError, match=r"--init model differs from the --config model in intermediate_size "
+                                           r"64 \(the run's: 128\)$"):
         lm.state_from_folder(tmp_path / "model", dataclasses.replace(CFG, intermediate_size=128), TC)
+    with pytest.raises(lm.FlagError, match=r"in max_position_embeddings .*; the run's max_position_embeddings is "
+                                           rf"--seq, so pass --seq {CFG.max_position_embeddings}"):
+        lm.state_from_folder(tmp_path / "model", dataclasses.replace(CFG, max_position_embeddings=16), TC)
     tuned = lm.train(CFG, TC, _tokens(1, 4000), _tokens(2, 1000), tmp_path / "run", init=tmp_path / "model")
     scratch = lm.train(CFG, TC, _tokens(1, 4000), _tokens(2, 1000), tmp_path / "run2")
     assert not np.allclose(tuned["params"]["model.norm.weight"], scratch["params"]["model.norm.weight"])

@@ -150,8 +150,14 @@ def initial_state(cfg: Qwen3Config, tc: TrainConfig) -> dict:
 def state_from_folder(folder: Path, cfg: Qwen3Config, tc: TrainConfig) -> dict:
     """{"params", "opt_state"} starting from a saved model (float32, training layout)."""
     saved = Qwen3Config.from_file(folder / "config.json")
-    if saved.to_hf() != cfg.to_hf():
-        raise ValueError(f"{folder}: --init model differs from the --config model: {saved} vs {cfg}")
+    have, want = saved.to_hf(), cfg.to_hf()
+    differ = sorted(k for k in have.keys() | want.keys() if have.get(k) != want.get(k))
+    if differ:
+        fields = ", ".join(f"{k} {have.get(k)!r} (the run's: {want.get(k)!r})" for k in differ)
+        hint = (f"; the run's max_position_embeddings is --seq, so pass --seq {saved.max_position_embeddings}"
+                if "max_position_embeddings" in differ else "")
+        raise FlagError(f"{folder / 'config.json'}: the --init model differs from the --config model in {fields}"
+                        f"{hint}")
     params = checkpoint.stack(checkpoint.load_params(folder, cfg, jnp.float32))
     print(f"initialised from {folder}")
     return {"params": params, "opt_state": make_optimizer(tc).init(params)}
