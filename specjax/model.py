@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import checkpoint
+from . import checkpoint, cpu_kernels
 from .checkpoint import CheckpointError, Params
 from .config import ConfigError, Qwen3Config, parse_eos, read_json, typed
 from .errors import SpecjaxError
@@ -248,5 +248,10 @@ def save(model: Model, path: str | Path, dtype: str = "bfloat16", max_shard_byte
 def shard(model: Model, mesh: jax.sharding.Mesh | None = None, axis: str = AXIS) -> Model:
     """The model with its weights split tensor-parallel over `mesh` (default: every local
     device); generate, the proposers and the bench take it as they take any model."""
+    quantized = any(isinstance(w, cpu_kernels.Packed) and w.scales is not None for w in jax.tree.leaves(
+        model.params, is_leaf=lambda w: isinstance(w, cpu_kernels.Packed)))
+    if quantized:  # placing would widen every weight back to float32, silently
+        raise CheckpointError(f"{model.path or 'the model'}: int8 weights run on the CPU kernels of one device, "
+                              "not over a mesh")
     mesh = mesh if mesh is not None else make_mesh(axis=axis)
     return dataclasses.replace(model, params=shard_params(model.params, mesh, axis))

@@ -148,3 +148,5 @@ def test_int8_over_a_mesh_is_refused(tmp_path):
     hf_tiny(folder, num_hidden_layers=1)
     with pytest.raises(checkpoint.CheckpointError, match="int8 weights run on the CPU kernels"):
         specjax.load(folder, dtype="int8", mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",)))
+    with pytest.raises(checkpoint.CheckpointError, match="int8 weights run on the CPU kernels"):  # not widened
+        specjax.shard(specjax.load(folder, dtype="int8"))
