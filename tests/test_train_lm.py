@@ -164,6 +164,13 @@ def test_a_second_signal_stops_at_once_and_a_first_before_any_step_saves_nothing
     assert done == [1, 4] and saved == [5]  # a signal in a step: that step, then its save
 
 
+def test_a_window_longer_than_the_held_out_shard_names_the_flags():
+    import dataclasses
+
+    with pytest.raises(lm.FlagError, match=r"--batch 2 x --seq 600: the held-out shard of 1000 tokens has no batch"):
+        lm.eval_windows(_tokens(2, 1000), dataclasses.replace(TC, seq=600))
+
+
 def test_init_from_a_saved_model_starts_from_its_weights(tmp_path):
     """--init: a fresh run starts from the folder's weights with a new optimiser state; a
     folder of another model is refused."""

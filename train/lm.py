@@ -135,7 +135,8 @@ def eval_windows(tokens: np.ndarray, tc: TrainConfig) -> np.ndarray:
     chunks = np.asarray(tokens[: tokens.size // (tc.seq + 1) * (tc.seq + 1)], np.int32).reshape(-1, tc.seq + 1)
     n = min(tc.eval_batches, len(chunks) // tc.batch)
     if n == 0:
-        raise ValueError(f"held-out shard of {tokens.size} tokens has no batch of {tc.batch} x {tc.seq + 1}")
+        raise FlagError(f"--batch {tc.batch} x --seq {tc.seq}: the held-out shard of {tokens.size} tokens has no "
+                        f"batch of {tc.batch} windows of {tc.seq + 1} tokens; lower --seq or --batch")
     pick = np.linspace(0, len(chunks) - 1, n * tc.batch).astype(int)
     return chunks[pick].reshape(n, tc.batch, tc.seq + 1)
 
