@@ -355,7 +355,7 @@ class Engine:
         """Admit what fits, prefill one chunk of a joining request (all of them while
         nothing is decoding), run one device call over the decoding rows (a quarter of
         the rounds while a request is still joining or could join); returns the tokens
-        each request committed."""
+        each request committed (a request that failed in the step with none: its `error`)."""
         new: dict[Request, list[int]] = {}
         self._admit()
         joining = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt)]
