@@ -44,12 +44,18 @@ def typed(value: Any, kind: type, key: str, source: str) -> Any:
 
 
 def parse_eos(eos: Any, source: str) -> int | tuple[int, ...] | None:
-    """An eos_token_id field (int, list of ints or null) as stored on Qwen3Config."""
+    """An eos_token_id field (int, list of ints or null) as stored on Qwen3Config; an id
+    outside [0, 2**31) (which no token has, and every request would then be refused over)
+    is a ConfigError naming `source`."""
     if isinstance(eos, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
-        return tuple(eos)
-    if eos is None or (isinstance(eos, int) and not isinstance(eos, bool)):
-        return eos
-    raise ConfigError(f"{source}: eos_token_id must be an int, a list of ints or null, got {eos!r}")
+        ids: int | tuple[int, ...] | None = tuple(eos)
+    elif eos is None or (isinstance(eos, int) and not isinstance(eos, bool)):
+        ids = eos
+    else:
+        raise ConfigError(f"{source}: eos_token_id must be an int, a list of ints or null, got {eos!r}")
+    if any(not 0 <= e < 2**31 for e in ((ids,) if isinstance(ids, int) else ids or ())):
+        raise ConfigError(f"{source}: eos_token_id must be token ids in [0, 2**31), got {eos!r}")
+    return ids
 
 
 @dataclasses.dataclass(frozen=True)

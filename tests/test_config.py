@@ -109,6 +109,7 @@ def test_rope_scaling_gives_transformers_frequencies(tmp_path, case):
     ({"num_hidden_layers": 2.0}, "field num_hidden_layers must be int"),
     ({"tie_word_embeddings": "yes"}, "field tie_word_embeddings must be bool"),
     ({"eos_token_id": [1, "2"]}, "eos_token_id must be an int"),
+    ({"eos_token_id": -1}, r"eos_token_id must be token ids in \[0, 2\*\*31\)"),
     ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}},
      r"quantization_config \(quant_method 'fp8'\) is not supported"),
     # __post_init__'s checks, with the default a missing field took
@@ -192,7 +193,10 @@ def test_index_pointing_at_the_wrong_shard(tmp_path):
 
 
 @pytest.mark.parametrize("text, match", [("{not json", "not valid JSON"), ("[0]", "expected a JSON object"),
-                                         ('{"eos_token_id": "0"}', "eos_token_id must be")])
+                                         ('{"eos_token_id": "0"}', "eos_token_id must be"),
+                                         # loaded, then every request was refused over stop_ids it never passed
+                                         ('{"eos_token_id": -1}', r"eos_token_id must be token ids in \[0, 2\*\*31\)"),
+                                         ('{"eos_token_id": [0, 4294967296]}', "eos_token_id must be token ids")])
 def test_bad_generation_config_is_named(tmp_path, text, match):
     hf_tiny(tmp_path, seed=6)
     (tmp_path / "generation_config.json").write_text(text)
