@@ -5,10 +5,10 @@ prompt (`engine.generate_one`, `engine.generate_batch`); every proposer runs ins
 engine's compiled round (`specjax.rounds`), a Python one (`HostDrafter`) as the request's
 drafter.
 
-vLLM's and transformers' names are accepted where they name the same thing:
-`stop_token_ids` for stop_ids, and prompt lookup by `num_speculative_tokens` (with
-`prompt_lookup_min` / `prompt_lookup_max`) or a vLLM `speculative_config` dict as
-`speculative`. With no `sampling`, the model folder's generation_config.json decides, as in
+vLLM's and transformers' names are accepted, with their meaning: `stop_token_ids` (stop
+ids besides the eos ids, where stop_ids replaces them), and prompt lookup by
+`num_speculative_tokens` (with `prompt_lookup_min` / `prompt_lookup_max`) or a vLLM
+`speculative_config` dict as `speculative`. With no `sampling`, the model folder's generation_config.json decides, as in
 transformers and vLLM (`Model.generation_defaults`).
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 from . import engine
 from .model import Model
 from .proposers import from_vllm
-from .results import GenerateResult, GenerationError, token_ids, validate
+from .results import GenerateResult, GenerationError, is_id_list, token_ids, validate
 from .sampling import Sampling
 
 
@@ -72,7 +72,8 @@ def generate(model: Model, ids: Any, *, max_new_tokens: Any, sampling: Any = Non
 
     sampling: a `Sampling` (or, for a list of prompts, a list of them); None takes the model
     folder's generation_config.json (`model.generation_defaults`; greedy without one, or with
-    do_sample false or absent). stop_token_ids (vLLM's name) is stop_ids.
+    do_sample false or absent). stop_token_ids (vLLM's name) stop generation besides the
+    eos ids, as in vLLM (stop_ids replaces them).
     num_speculative_tokens=k (vLLM's name; with prompt_lookup_min / prompt_lookup_max) is
     prompt lookup of k drafts a step, `NgramProposer(k, max, min)`, as is a vLLM
     speculative_config dict `{"method": "ngram", "num_speculative_tokens": k, ...}` given
@@ -80,8 +81,9 @@ def generate(model: Model, ids: Any, *, max_new_tokens: Any, sampling: Any = Non
     """
     if stop_token_ids is not None:
         if stop_ids is not None:
-            raise GenerationError("give stop_ids or stop_token_ids (the same thing), not both")
-        stop_ids = stop_token_ids
+            raise GenerationError("give stop_ids (every stop id: the eos ids by default) or stop_token_ids "
+                                  "(added to the eos ids, as vLLM's), not both")
+        stop_ids = _with_eos(model, stop_token_ids)
     speculative = _speculative(speculative, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
     if sampling is None:
         sampling = model.generation_defaults or Sampling()
@@ -98,3 +100,14 @@ def generate(model: Model, ids: Any, *, max_new_tokens: Any, sampling: Any = Non
     return engine.generate_one(model, ids, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
                                seed=seed, speculative=speculative, on_tokens=on_tokens,
                                max_len=min(capacity, model.config.max_position_embeddings))
+
+
+def _with_eos(model: Model, extra: Any) -> list[int] | list[list[int]]:
+    """vLLM's stop_token_ids as stop_ids: the model's eos ids and `extra` (one list of ids,
+    or for a batch one list per prompt)."""
+    if is_id_list(extra):
+        return sorted({*model.eos_ids, *extra})
+    if isinstance(extra, (list, tuple)) and extra and all(is_id_list(e) for e in extra):
+        return [sorted({*model.eos_ids, *e}) for e in extra]
+    raise GenerationError(f"stop_token_ids must be a list of integer token ids (for a batch, one such list per "
+                          f"prompt), got {extra!r:.80}")

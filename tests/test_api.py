@@ -81,6 +81,15 @@ def test_vllm_speculative_config_and_names(tiny):
             == specjax.generate(tiny, ids, max_new_tokens=12, stop_ids=[stop]).tokens)
     with pytest.raises(results.GenerationError, match="not both"):
         specjax.generate(tiny, ids, max_new_tokens=4, stop_ids=[1], stop_token_ids=[1])
+    # as in vLLM, stop_token_ids stop besides the eos ids: the shipped model ends this prompt with eos at once
+    shipped = specjax.load(Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-code")
+    prompt = shipped.tokenizer('if __name__ == "__main__":\n    main()\n')["input_ids"]
+    assert specjax.generate(shipped, prompt, max_new_tokens=8).tokens == list(shipped.eos_ids)
+    assert specjax.generate(shipped, prompt, max_new_tokens=8, stop_token_ids=[7777]).tokens == list(shipped.eos_ids)
+    both = specjax.generate(shipped, [prompt, ids], max_new_tokens=8, stop_token_ids=[[7777], []])
+    assert both[0].tokens == list(shipped.eos_ids) and both[1].stopped == (0 in both[1].tokens)
+    with pytest.raises(results.GenerationError, match="stop_token_ids must be a list of integer token ids"):
+        specjax.generate(tiny, ids, max_new_tokens=4, stop_token_ids=5)
     with pytest.raises(results.GenerationError, match="not both"):
         specjax.generate(tiny, ids, max_new_tokens=4, num_speculative_tokens=2, speculative=specjax.NgramProposer())
 
