@@ -221,9 +221,12 @@ def _prompts(body: dict, served: Served) -> list[list[int]]:
                        f"token-id lists, got {prompt!r:.80}", "prompt")
 
 
-def _content(message: Any, at: int) -> dict[str, str]:
-    """The message as the chat template gets it: role, content as one string and the
-    participant's name if given."""
+def _content(message: Any, at: int) -> dict[str, Any]:
+    """The message as the chat template gets it: role, content as one string, the
+    participant's name if given, and the message's other fields as sent (an assistant's
+    `tool_calls` or `reasoning_content`, a tool result's `tool_call_id`: Qwen3's template
+    renders them), less those that are null (a client echoing a reply back sends
+    `refusal: null`, `audio: null`, ...)."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise RequestError(f"messages[{at}] must be an object with a role, got {message!r:.80}", "messages")
     content = message.get("content")
@@ -236,7 +239,9 @@ def _content(message: Any, at: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise RequestError(f"messages[{at}].content must be a string or a list of text parts, "
                            f"got {content!r:.80}", "messages")
-    out = {"role": _unicode(message["role"], "messages"), "content": _unicode(content, "messages")}
+    out = {k: _unicode(v, "messages") if isinstance(v, str) else v for k, v in message.items()
+           if v is not None and k not in ("role", "content", "name")}
+    out.update(role=_unicode(message["role"], "messages"), content=_unicode(content, "messages"))
     name = message.get("name")
     if name is not None:
         if not isinstance(name, str):

@@ -461,6 +461,28 @@ def test_chat_messages_are_rendered_as_vllm_renders_them(served, tokenizer):
         assert e.value.param == "messages", bad
 
 
+def test_chat_messages_keep_their_tool_and_reasoning_fields(served, tokenizer):
+    """An assistant turn's tool_calls and reasoning_content and a tool result's tool_call_id
+    reach the template (they were dropped: the turn rendered empty), rendered as
+    transformers renders the same messages; null fields a client echoes back are left out."""
+    tools = dataclasses.replace(served, tokenizer=AutoTokenizer.from_pretrained(str(SHIPPED)))
+    tools.tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+        "</think>\n{% endif %}{{ m['content'] }}{% for c in m.tool_calls or [] %}<call {{ c.id }}>"
+        "{{ c.function.name }}({{ c.function.arguments }})</call>{% endfor %}{% if m.tool_call_id %}"
+        "[for {{ m.tool_call_id }}]{% endif %}\n{% endfor %}<|assistant|>\n")
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    messages = [{"role": "user", "content": "1 + 2?"},
+                {"role": "assistant", "content": None, "reasoning_content": "use the tool", "tool_calls": [call],
+                 "refusal": None, "audio": None, "function_call": None},
+                {"role": "tool", "tool_call_id": "c1", "content": "3"}]
+    want = tools.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    got = chat_plan({"messages": messages}, tools).prompts[0]
+    assert got == list(want)
+    text = tools.tokenizer.decode(got)
+    assert "<think>use the tool</think>" in text and "<call c1>add(" in text and "[for c1]" in text
+
+
 def test_chat_without_a_template_names_messages(model):
     shipped = dataclasses.replace(model, tokenizer=AutoTokenizer.from_pretrained(str(SHIPPED)))  # no template
     with running(create_app(Engine(shipped, None, max_batch=1, max_len=MAX_LEN), "tiny-code")) as base:
