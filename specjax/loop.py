@@ -8,8 +8,8 @@ drafter.
 vLLM's and transformers' names are accepted, with their meaning: `stop_token_ids` (stop
 ids besides the eos ids, where stop_ids replaces them), and prompt lookup by
 `num_speculative_tokens` (with `prompt_lookup_min` / `prompt_lookup_max`) or a vLLM
-`speculative_config` dict as `speculative`. With no `sampling`, the model folder's generation_config.json decides, as in
-transformers and vLLM (`Model.generation_defaults`).
+`speculative_config` dict as `speculative`. With no `sampling`, the model folder's
+generation_config.json decides, as in transformers and vLLM (`Model.generation_defaults`).
 """
 
 from __future__ import annotations
