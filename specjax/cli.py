@@ -36,6 +36,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):  # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -202,7 +209,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--allowed-origins", type=_origins, default=("*",), metavar="ORIGINS",
                    help="comma-separated web origins (scheme://host[:port]) whose pages may call the API from a "
                         "browser (CORS), '*' any (the default, as vLLM and llama.cpp's server), '' none")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+    p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="S",
                    help="on SIGTERM / SIGINT, seconds running requests may take to finish before they are "
                         "cancelled")
 

@@ -535,6 +535,13 @@ def test_serve_refuses_what_is_not_an_origin(bad, capsys):
     assert e.value.code == 2 and "--allowed-origins" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", ["-5", "nan", "inf", "soon"])
+def test_serve_refuses_a_shutdown_timeout_that_is_not_seconds(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--shutdown-timeout", bad])
+    assert e.value.code == 2 and "--shutdown-timeout" in capsys.readouterr().err
+
+
 def test_speculation_metrics_add_up(url):
     """vLLM's counters over what the tests ran: drafts were made and some accepted, and
     the per-position counts add up to the accepted total."""
