@@ -150,6 +150,7 @@ UNAPPLIED: dict[str, Any] = {
     "forced_bos_token_id": None, "forced_eos_token_id": None, "min_length": 0, "min_new_tokens": 0,
     "exponential_decay_length_penalty": None, "num_beams": 1, "penalty_alpha": 0.0, "guidance_scale": 1.0,
     "watermarking_config": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
+    "max_new_tokens": None,  # a default length (vLLM's serve takes it): specjax's is always the caller's
 }
 SAMPLED_ONLY = frozenset({"typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"})
 

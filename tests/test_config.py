@@ -232,6 +232,7 @@ def test_broken_tokenizer_is_named_at_load(tmp_path, file, text, named):
      "repetition_penalty=2.0, no_repeat_ngram_size=2"),
     ({"do_sample": True, "temperature": 0.6, "presence_penalty": 1.5, "typical_p": 0.9, "bad_words_ids": [[3]]},
      "presence_penalty=1.5, bad_words_ids=[[3]], typical_p=0.9"),
+    ({"max_new_tokens": 256}, "max_new_tokens=256"),  # vLLM's serve takes it as its default max_tokens
     # the values that change nothing, and typical_p where nothing is sampled (transformers ignores it too)
     ({"do_sample": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
       "num_beams": 1, "typical_p": 0.9}, None),
