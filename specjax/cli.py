@@ -212,6 +212,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="S",
                    help="on SIGTERM / SIGINT, seconds running requests may take to finish before they are "
                         "cancelled")
+    p.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                   help="auto: the sampling fields (and chat's max_tokens) a request leaves out take what the "
+                        "model folder's generation_config.json sets, as in vLLM; vllm: vLLM's own defaults "
+                        "(temperature 1, no top-k / top-p / min-p)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -591,7 +595,7 @@ def _serve(args) -> int:
         engine = Engine(model, **options, max_batch=args.max_batch, max_len=args.max_len)
         server.serve(engine, args.served_model_name or folder.resolve().name, sock, per_request,
                      warmup=not args.no_warmup, shutdown_timeout=args.shutdown_timeout,
-                     allowed_origins=args.allowed_origins)
+                     allowed_origins=args.allowed_origins, generation_config=args.generation_config)
     return 0
 
 

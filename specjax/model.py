@@ -150,7 +150,7 @@ UNAPPLIED: dict[str, Any] = {
     "forced_bos_token_id": None, "forced_eos_token_id": None, "min_length": 0, "min_new_tokens": 0,
     "exponential_decay_length_penalty": None, "num_beams": 1, "penalty_alpha": 0.0, "guidance_scale": 1.0,
     "watermarking_config": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
-    "max_new_tokens": None,  # a default length (vLLM's serve takes it): specjax's is always the caller's
+    "max_new_tokens": None,  # a default length: generate's is always the caller's (serve takes it, as vLLM's)
 }
 SAMPLED_ONLY = frozenset({"typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"})
 
@@ -184,6 +184,40 @@ def _generation_config(folder: Path, cfg: Qwen3Config) -> tuple[Qwen3Config, Sam
     defaults = generation_sampling(raw, str(gen))
     _warn_unapplied(raw, str(gen))
     return cfg, defaults
+
+
+# generation_config.json fields vLLM's OpenAI server takes as request defaults
+# (vllm/config/model.py, ModelConfig.get_diff_sampling_param, with --generation-config auto,
+# its default), each where the file sets it, whatever do_sample says; max_new_tokens is
+# the default max_tokens. (repetition_penalty too: specjax has none, and load warns.)
+SERVER_DEFAULTS: dict[str, type] = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
+                                    "max_new_tokens": int}
+
+
+def server_defaults(folder: Path | None) -> dict[str, Any]:
+    """The request defaults `specjax serve` takes from `folder`'s generation_config.json, as
+    vLLM's server reads it (SERVER_DEFAULTS): {field: value} for each field the file sets
+    (null is unset), max_new_tokens under vLLM's name max_tokens, top_k -1 (vLLM's "off")
+    as 0; {} without a folder or file. A bad value is a ConfigError naming file and field."""
+    gen = None if folder is None else Path(folder) / "generation_config.json"
+    if gen is None or not gen.is_file():
+        return {}
+    raw = read_json(gen)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{gen}: expected a JSON object, got {type(raw).__name__}")
+    values = {key: typed(raw[key], kind, key, str(gen)) for key, kind in SERVER_DEFAULTS.items()
+              if raw.get(key) is not None}
+    if values.get("top_k") == -1:
+        values["top_k"] = 0
+    try:
+        Sampling(**{k: v for k, v in values.items() if k != "max_new_tokens"})
+    except SamplingError as e:
+        raise ConfigError(f"{gen}: {e}") from None
+    if "max_new_tokens" in values:
+        if values["max_new_tokens"] < 1:
+            raise ConfigError(f"{gen}: field max_new_tokens must be >= 1, got {values['max_new_tokens']!r}")
+        values["max_tokens"] = values.pop("max_new_tokens")
+    return values
 
 
 def reading(folder: Path, dtype: Any, default: Any, mesh: jax.sharding.Mesh | None

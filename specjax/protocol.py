@@ -4,7 +4,9 @@ engine submissions, and the JSON of responses and stream chunks.
 Fields follow OpenAI's completions and chat completions APIs, plus vLLM's extra sampling
 fields (`top_k`, `min_p`, `stop_token_ids`, `ignore_eos`). Defaults are OpenAI's and
 vLLM's: temperature 1; `max_tokens` 16 for completions (less if the context has less room)
-and the rest of the context for chat. A field this server does not implement (logprobs,
+and the rest of the context for chat; and as in vLLM, the sampling fields and chat's
+max_tokens default to what the model folder's generation_config.json sets
+(`Served.defaults`). A field this server does not implement (logprobs,
 penalties, tools, ...) is refused with a 400 naming it unless it has its neutral value (of
 the same type: `logprobs: 0` is not `false`), and so is a field it does not know or one of
 the other endpoint's: nothing asked for is silently dropped. An unknown model is a 404.
@@ -64,13 +66,17 @@ class RequestError(SpecjaxError):
 @dataclasses.dataclass(frozen=True)
 class Served:
     """What requests are checked against: the served model's name, tokenizer, vocabulary
-    and eos ids, and the engine's max_len (prompt + new tokens of one sequence)."""
+    and eos ids, the engine's max_len (prompt + new tokens of one sequence), and defaults
+    for fields a request leaves out, where they are not vLLM's own (from the model folder's
+    generation_config.json, `specjax.model.server_defaults`): SAMPLING_FIELDS, and
+    max_tokens for chat (a completion's default stays OpenAI's 16)."""
 
     name: str
     tokenizer: Any
     vocab_size: int
     eos_ids: tuple[int, ...]
     max_len: int
+    defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,12 +166,13 @@ def _model(body: dict, served: Served) -> None:
         raise unknown_model(model, served)
 
 
-def _sampling(body: dict) -> Sampling:
-    """Sampling from the request; each field is checked by `Sampling` as it is added, so an
-    error names the field that failed (Sampling's checks are per field)."""
-    values = {"temperature": _number(body, "temperature", 1.0), "top_p": _number(body, "top_p", 1.0),
-              "min_p": _number(body, "min_p", 0.0)}
-    top_k = _integer(body, "top_k", 0, -1)
+def _sampling(body: dict, defaults: dict[str, Any]) -> Sampling:
+    """Sampling from the request, each field it leaves out from `defaults` (else vLLM's
+    default); each field is checked by `Sampling` as it is added, so an error names the
+    field that failed (Sampling's checks are per field)."""
+    values = {name: _number(body, name, defaults.get(name, vllm))
+              for name, vllm in (("temperature", 1.0), ("top_p", 1.0), ("min_p", 0.0))}
+    top_k = _integer(body, "top_k", defaults.get("top_k", 0), -1)
     values["top_k"] = 0 if top_k == -1 else top_k  # vLLM's -1: no top-k
     given: dict[str, Any] = {}
     for name in SAMPLING_FIELDS:
@@ -276,7 +283,7 @@ def _plan(body: dict, served: Served, prompts: list[list[int]], chat: bool) -> P
     if tokens_param == "max_completion_tokens" and body.get("max_tokens") is not None:
         raise RequestError("give max_completion_tokens or max_tokens, not both", "max_tokens")
     asked = _integer(body, tokens_param, None, 1)
-    sampling = _sampling(body)
+    sampling = _sampling(body, served.defaults)
     n = _integer(body, "n", 1, 1, MAX_N)
     seed = _integer(body, "seed", None, *SEED_RANGE)
     seed = secrets.randbelow(SEEDS) if seed is None else seed % SEEDS
@@ -303,7 +310,8 @@ def _plan(body: dict, served: Served, prompts: list[list[int]], chat: bool) -> P
         if asked is not None and asked > room:
             raise RequestError(f"{tokens_param} = {asked} with a prompt of {len(ids)} tokens exceeds this server's "
                                f"context of {served.max_len} tokens: at most {room}", tokens_param)
-        new = asked if asked is not None else room if chat else min(COMPLETION_MAX_TOKENS, room)
+        new = asked if asked is not None else min(served.defaults.get("max_tokens", room), room) if chat else \
+            min(COMPLETION_MAX_TOKENS, room)
         for j in range(n):
             submissions.append(Submission(ids, new, sampling, (seed + j) % SEEDS, stop_set))
     return Plan(chat, prompts, submissions, _stops(body), stream,

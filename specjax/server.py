@@ -39,6 +39,7 @@ from starlette.routing import Route
 from .checkpoint import CheckpointError
 from .engine import Engine
 from .metrics import ServerMetrics
+from .model import server_defaults
 from .pages import PoolError
 from .protocol import Plan, Reply, RequestError, Served, chat_plan, completion_plan, unknown_model, usage
 from .serving import EngineWorker, Failed, Refused, ShuttingDown, Ticket, Tokens
@@ -138,10 +139,15 @@ def _error(error: RequestError, headers: dict[str, str] | None = None) -> Respon
 
 
 def create_app(engine: Engine, name: str, per_request: dict | None = None,
-               allowed_origins: tuple[str, ...] = ("*",)) -> Starlette:
+               allowed_origins: tuple[str, ...] = ("*",), generation_config: str = "auto") -> Starlette:
     """The server's ASGI app for `engine`, serving its model under `name`; per_request are
     extra `Engine.submit` keywords (from `engine_options`). The engine thread starts and
     stops with the app's lifespan.
+
+    generation_config (vLLM's option and values): "auto", the sampling fields and chat's
+    max_tokens that a request leaves out default to what the model folder's
+    generation_config.json sets, as in vLLM (`specjax.model.server_defaults`); "vllm",
+    to vLLM's own defaults (temperature 1, no top-k / top-p / min-p).
 
     allowed_origins: the web origins whose pages may call the API from a browser (CORS:
     preflights answered, responses marked readable by them); "*" any, as vLLM, SGLang and
@@ -150,7 +156,10 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None,
     model = engine.model
     if model.tokenizer is None:
         raise CheckpointError(f"{model.path}: serving needs the model's tokenizer (tokenizer.json)")
-    served = Served(name, model.tokenizer, model.config.vocab_size, tuple(model.eos_ids), engine.max_len)
+    if generation_config not in ("auto", "vllm"):
+        raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
+    defaults = server_defaults(model.path) if generation_config == "auto" else {}
+    served = Served(name, model.tokenizer, model.config.vocab_size, tuple(model.eos_ids), engine.max_len, defaults)
     metrics = ServerMetrics(name)
     worker = EngineWorker(engine, metrics, per_request)
 
@@ -276,10 +285,11 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(engine: Engine, name: str, sock: socket.socket, per_request: dict | None = None, *,
-          warmup: bool = True, shutdown_timeout: float = 30.0, allowed_origins: tuple[str, ...] = ("*",)) -> None:
+          warmup: bool = True, shutdown_timeout: float = 30.0, allowed_origins: tuple[str, ...] = ("*",),
+          generation_config: str = "auto") -> None:
     """Serve until SIGINT / SIGTERM on a socket from `bind`; with `warmup`, every step the
-    engine may run is compiled first, so no request waits on a compilation. allowed_origins:
-    as `create_app`."""
+    engine may run is compiled first, so no request waits on a compilation. allowed_origins
+    and generation_config: as `create_app`."""
     if warmup:
         print(f"compiling the engine's steps ({engine.max_batch} rows, max_len {engine.max_len}) ...",
               file=sys.stderr, flush=True)
@@ -287,7 +297,12 @@ def serve(engine: Engine, name: str, sock: socket.socket, per_request: dict | No
         engine.compile()
         print(f"compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     prometheus_client.disable_created_metrics()  # `_created` samples would double the exposition
-    app = create_app(engine, name, per_request, allowed_origins)
+    app = create_app(engine, name, per_request, allowed_origins, generation_config)
+    defaults = server_defaults(engine.model.path) if generation_config == "auto" else {}
+    if defaults:  # as vLLM says so: a client that leaves these out gets the model's, not vLLM's
+        shown = ", ".join(f"{k} {v:g}" for k, v in defaults.items())
+        print(f"request defaults from {engine.model.path / 'generation_config.json'}: {shown} "
+              "(--generation-config vllm for vLLM's own)", file=sys.stderr, flush=True)
     host, port = sock.getsockname()[:2]
     print(f"serving {name!r} at http://{host}:{port}/v1", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout,

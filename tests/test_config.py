@@ -259,6 +259,48 @@ def test_generation_options_specjax_does_not_apply_are_warned(tmp_path, generati
                         "its output can differ from transformers' and vLLM's generate with this file"]
 
 
+@pytest.mark.parametrize("generation", [
+    {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": [3, 4]},  # Qwen3's
+    {"do_sample": False, "temperature": 0.7, "max_new_tokens": 64},  # vLLM samples at 0.7 all the same
+    {"temperature": None, "top_p": 0.8, "min_p": 0.05, "repetition_penalty": 1.05, "num_beams": 1},
+    {"eos_token_id": 3},
+])
+def test_serve_reads_request_defaults_from_generation_config_as_vllm(tmp_path, generation):
+    """`server_defaults` against vLLM's reading (vllm/config/model.py,
+    get_diff_sampling_param): transformers' GenerationConfig.to_diff_dict() of the file
+    (with transformers 5 every field it sets), limited to temperature, top_k, top_p, min_p
+    and max_new_tokens (renamed max_tokens); repetition_penalty, which vLLM also takes,
+    specjax does not implement (load warns of it). No file: nothing."""
+    from transformers import GenerationConfig
+    from specjax.model import server_defaults
+
+    assert server_defaults(tmp_path) == {} and server_defaults(None) == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    diff = GenerationConfig.from_pretrained(tmp_path).to_diff_dict()
+    want = {k: diff[k] for k in ("temperature", "top_k", "top_p", "min_p") if diff.get(k) is not None}
+    if diff.get("max_new_tokens") is not None:
+        want["max_tokens"] = diff["max_new_tokens"]
+    assert server_defaults(tmp_path) == want
+
+
+@pytest.mark.parametrize("bad, field", [({"top_p": 1.5}, "top_p"), ({"temperature": "hot"}, "temperature"),
+                                        ({"max_new_tokens": 0}, "max_new_tokens"), ({"top_k": 2.5}, "top_k"),
+                                        ({"min_p": True}, "min_p")])
+def test_serve_refuses_bad_request_defaults_naming_file_and_field(tmp_path, bad, field):
+    """A value vLLM's server would take as a request default and that no request may have
+    fails at start, naming the file and field (not a 400 blaming each request); top_k -1 is
+    vLLM's "off", kept as specjax's 0."""
+    from specjax.model import server_defaults
+
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({"top_k": -1}))
+    assert server_defaults(tmp_path) == {"top_k": 0}
+    gen.write_text(json.dumps({"do_sample": False, **bad}))
+    with pytest.raises(ConfigError) as e:
+        server_defaults(tmp_path)
+    assert str(e.value).startswith(f"{gen}: ") and field in str(e.value)
+
+
 @pytest.mark.parametrize("attention_bias", [False, True])
 def test_layers_are_fused_and_finished_as_they_arrive(rng, attention_bias):
     """Streaming load: each layer is handed to `transform` as soon as its last tensor is

@@ -196,6 +196,64 @@ def test_completions_default_to_16_tokens_and_chat_to_the_rest_of_the_context(cl
     assert budgets(plan) == [MAX_LEN - len(ids_of(tokenizer, rendered))]
 
 
+def test_request_defaults_fill_only_the_fields_a_request_leaves_out(served, tokenizer):
+    """The folder's defaults (`Served.defaults`) stand in for the sampling fields a request
+    leaves out and for chat's max_tokens (capped by the context's room); each field given,
+    top_k -1 (vLLM's "off") included, overrides its default; a completion's max_tokens
+    stays OpenAI's 16."""
+    kept = dataclasses.replace(served, defaults={"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 40})
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+
+    def settings(plan):
+        return [(s.sampling, s.max_new_tokens) for s in plan.submissions]
+
+    assert settings(chat_plan(chat, kept)) == [(Sampling(0.6, 20, 0.95), 40)]
+    assert settings(chat_plan(chat | {"temperature": 0, "top_k": -1, "max_tokens": 7}, kept)) == \
+        [(Sampling(0.0, 0, 0.95), 7)]
+    assert settings(chat_plan(chat | {"min_p": 0.1, "top_p": None}, kept)) == [(Sampling(0.6, 20, 0.95, 0.1), 40)]
+    assert settings(completion_plan({"prompt": "x"}, kept)) == [(Sampling(0.6, 20, 0.95), 16)]
+    long = [{"role": "user", "content": " ".join(["x"] * 230)}]
+    room = MAX_LEN - len(ids_of(tokenizer, "<|user|>\n" + long[0]["content"] + "\n<|assistant|>\n"))
+    assert 0 < room < 40 and settings(chat_plan({"messages": long}, kept))[0][1] == room
+    assert settings(chat_plan(chat, served)) == [(Sampling(1.0), MAX_LEN - len(ids_of(tokenizer, "<|user|>\nx\n<|assistant|>\n")))]
+
+
+def test_the_folders_generation_config_sets_what_requests_leave_out(model, tokenizer, folder, tmp_path):
+    """As vLLM's server (--generation-config auto, its default): the sampling fields a
+    request leaves out take the model folder's generation_config.json values, and chat's
+    max_tokens its max_new_tokens; each checked against the prompt generated alone with
+    those settings. With generation_config="vllm", vLLM's own defaults (temperature 1)."""
+    sampled = tmp_path / NAME
+    shutil.copytree(folder, sampled)
+    gen = json.loads((sampled / "generation_config.json").read_text())
+    (sampled / "generation_config.json").write_text(json.dumps(
+        {**gen, "do_sample": True, "temperature": 0.9, "top_k": 40, "top_p": 0.95, "max_new_tokens": 20}))
+    options, per_request = engine_options(LOOKUP)
+    pages = Engine(model, max_batch=1, max_len=MAX_LEN, **options).pages.n_pages
+    engine = Engine(dataclasses.replace(model, path=sampled), max_batch=2, max_len=MAX_LEN, num_pages=pages,
+                    **options)
+    ids = ids_of(tokenizer, PROMPTS[1])
+    rendered = ids_of(tokenizer, "<|user|>\n" + PROMPTS[0] + "\n<|assistant|>\n")
+    chat = dict(model=NAME, messages=[{"role": "user", "content": PROMPTS[0]}], temperature=0,
+                extra_body={"ignore_eos": True})
+    with running(create_app(engine, NAME, per_request)) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+        got = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=24, seed=5).choices[0].text
+        assert got == alone(model, tokenizer, ids, 24, temperature=0.9, top_k=40, top_p=0.95, seed=5)[0]
+        greedy = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=24, temperature=0)
+        assert greedy.choices[0].text == alone(model, tokenizer, ids, 24)[0]
+        reply = client.chat.completions.create(**chat)
+        assert reply.usage.completion_tokens == 20
+        assert reply.choices[0].message.content == alone(model, tokenizer, rendered, 20, stop_ids=())[0]
+    with running(create_app(engine, NAME, per_request, generation_config="vllm")) as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+        got = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=24, seed=5).choices[0].text
+        assert got == alone(model, tokenizer, ids, 24, temperature=1.0, seed=5)[0]
+        assert client.chat.completions.create(**chat).usage.completion_tokens == MAX_LEN - len(rendered)
+    with pytest.raises(ValueError, match="generation_config"):
+        create_app(engine, NAME, per_request, generation_config="folder")
+
+
 def test_concurrent_clients_each_get_their_request_alone(client, model, tokenizer, rng):
     """32 clients at once, greedy and sampled, streaming or not, different lengths and
     ignore_eos: each gets what its request generates alone."""
