@@ -17,6 +17,7 @@ from . import dflash as dflashlib
 from . import steps
 from .model import Model
 from .errors import SpecjaxError, is_integer
+from .lookup import MAX_NGRAM
 
 
 class ProposerError(SpecjaxError):
@@ -166,7 +167,9 @@ def from_vllm(config: dict[str, Any]) -> NgramProposer:
     "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}.
 
     As in vLLM, where one n-gram bound is given the other takes its value; with neither,
-    NgramProposer's (3 and 1). Other methods and keys are a ProposerError naming them.
+    NgramProposer's (3 and 1). Other methods and keys, and values the engine cannot run
+    (prompt_lookup_max above specjax.lookup.MAX_NGRAM included), are a ProposerError
+    naming them by vLLM's names.
     """
     if not isinstance(config, dict):
         raise ProposerError(f"a vLLM speculative_config is a dict, got {type(config).__name__}")
@@ -178,7 +181,15 @@ def from_vllm(config: dict[str, Any]) -> NgramProposer:
         raise ProposerError(f"speculative_config method {config['method']!r} is not supported here (only 'ngram')")
     if config.get("num_speculative_tokens") is None:
         raise ProposerError("speculative_config needs num_speculative_tokens (the drafts per step)")
-    hi, lo = config.get("prompt_lookup_max"), config.get("prompt_lookup_min")
+    k, hi, lo = config["num_speculative_tokens"], config.get("prompt_lookup_max"), config.get("prompt_lookup_min")
     if hi is None and lo is None:
         hi, lo = NgramProposer.max_ngram, NgramProposer.min_ngram
-    return NgramProposer(config["num_speculative_tokens"], hi if hi is not None else lo, lo if lo is not None else hi)
+    hi, lo = hi if hi is not None else lo, lo if lo is not None else hi
+    largest = steps.BUCKETS[-1] - 1
+    if not is_integer(k) or not 1 <= k <= largest:
+        raise ProposerError(f"speculative_config num_speculative_tokens must be an integer in [1, {largest}], "
+                            f"got {k!r}")
+    if not (is_integer(hi) and is_integer(lo)) or not 1 <= lo <= hi <= MAX_NGRAM:
+        raise ProposerError(f"speculative_config needs integers 1 <= prompt_lookup_min <= prompt_lookup_max <= "
+                            f"{MAX_NGRAM}, got prompt_lookup_min {lo!r}, prompt_lookup_max {hi!r}")
+    return NgramProposer(k, hi, lo)

@@ -66,9 +66,19 @@ def test_vllm_speculative_config_and_names(tiny):
     assert proposers.from_vllm({"num_speculative_tokens": 3, "prompt_lookup_min": 4}) == specjax.NgramProposer(3, 4, 4)
     assert proposers.from_vllm({"num_speculative_tokens": 3}) == specjax.NgramProposer(3)
     for bad, match in (({"method": "eagle", "num_speculative_tokens": 3}, "method"),
-                       ({"num_speculative_tokens": 3, "model": "x"}, "model"), ({}, "num_speculative_tokens")):
+                       ({"num_speculative_tokens": 3, "model": "x"}, "model"), ({}, "num_speculative_tokens"),
+                       # the values refused by vLLM's names (specjax's own are k, max_ngram, min_ngram)
+                       ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in"),
+                       ({"num_speculative_tokens": 16}, "num_speculative_tokens must be an integer in"),
+                       ({"num_speculative_tokens": 2.5}, "num_speculative_tokens must be an integer in"),
+                       ({"num_speculative_tokens": 3, "prompt_lookup_max": 0}, "prompt_lookup_max 0"),
+                       ({"num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 2},
+                        "prompt_lookup_min 5, prompt_lookup_max 2"),
+                       ({"num_speculative_tokens": 3, "prompt_lookup_max": 33}, "<= 32, got")):
         with pytest.raises(proposers.ProposerError, match=match):
             proposers.from_vllm(bad)
+    assert proposers.from_vllm({"num_speculative_tokens": 15, "prompt_lookup_max": 32}) == \
+        specjax.NgramProposer(15, 32, 32)
     ids = [3, 5, 7, 9, 3, 5, 7, 9, 3, 5]
     want = specjax.generate(tiny, ids, max_new_tokens=12, speculative=specjax.NgramProposer(4, 2, 1))
     for kw in (dict(num_speculative_tokens=4, prompt_lookup_max=2, prompt_lookup_min=1),
