@@ -366,20 +366,34 @@ def _remove_weights(folder: Path) -> None:
     (folder / "model.safetensors").unlink(missing_ok=True)
 
 
-def write_tensors(folder: str | Path, tensors: dict[str, Any], dtype: str = "bfloat16",
-                  max_shard_bytes: int | None = None) -> None:
+def lossless_dtype(tensors: dict[str, Any]) -> str:
+    """The narrowest dtype a save may write `tensors` in without changing a value:
+    bfloat16, else float16, where every value is one, else float32 (a 16-bit checkpoint
+    loaded and saved again is written in its own type; a float32 one keeps its bits)."""
+    for name in ("bfloat16", "float16"):
+        kind = jnp.dtype(name)
+        if all(np.asarray(t).dtype == kind or np.array_equal(np.asarray(t).astype(kind).astype(np.float32),
+                                                             np.asarray(t, np.float32))
+               for t in tensors.values()):
+            return name
+    return "float32"
+
+
+def write_tensors(folder: str | Path, tensors: dict[str, Any], dtype: str | None = None,
+                  max_shard_bytes: int | None = None) -> str:
     """Write a flat name -> array dict as model.safetensors, or shards plus an index, in
-    place of any weights a previous save left in the folder."""
+    place of any weights a previous save left in the folder; dtype None: `lossless_dtype`.
+    Returns the dtype written."""
     from safetensors.flax import save_file
 
-    dtype = save_dtype(dtype)
+    dtype = lossless_dtype(tensors) if dtype is None else save_dtype(dtype)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     arrays = {k: jnp.asarray(v).astype(dtype) for k, v in sorted(tensors.items())}
     _remove_weights(folder)
     if max_shard_bytes is None:
         save_file(arrays, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        return
+        return dtype
     shards: list[dict[str, Any]] = [{}]
     size = 0
     for name, arr in arrays.items():
@@ -396,14 +410,15 @@ def write_tensors(folder: str | Path, tensors: dict[str, Any], dtype: str = "bfl
     total = sum(a.nbytes for a in arrays.values())
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return dtype
 
 
-def save(folder: str | Path, params: Params, cfg: Qwen3Config, dtype: str = "bfloat16",
+def save(folder: str | Path, params: Params, cfg: Qwen3Config, dtype: str | None = None,
          max_shard_bytes: int | None = None) -> None:
     """Write weights and config.json in HF layout (loads in transformers and specjax); the
-    config last, so a save that fails leaves no config describing weights it did not write."""
+    config last, so a save that fails leaves no config describing weights it did not write.
+    dtype None: `lossless_dtype`."""
     folder = Path(folder)
     hf_cfg = cfg.to_hf()
-    hf_cfg["torch_dtype"] = save_dtype(dtype)
-    write_tensors(folder, to_hf(params, cfg), dtype, max_shard_bytes)
+    hf_cfg["torch_dtype"] = write_tensors(folder, to_hf(params, cfg), dtype, max_shard_bytes)
     (folder / "config.json").write_text(json.dumps(hf_cfg, indent=2))

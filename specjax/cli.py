@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # the command line imports the library's modules only as a co
     from .config import Qwen3Config
 
 WARMUP_TOKENS = 256  # a warm-up as long as the run (up to this) touches every shape the run will
+DEFAULT_NEW_TOKENS = 128  # `generate`'s length where neither --max-new-tokens nor the model folder gives one
 
 
 class UsageError(SpecjaxError):
@@ -128,7 +129,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--batch", action="store_true",
                    help="--prompt-file holds many prompts (one per line, or JSONL lines {\"prompt\": ...} or "
                         "{\"messages\": [...]}), generated together by the batched engine")
-    p.add_argument("--max-new-tokens", type=_positive, default=128)
+    p.add_argument("--max-new-tokens", type=_positive, default=None, metavar="N",
+                   help=f"(default: the model folder's generation_config.json max_new_tokens, else "
+                        f"{DEFAULT_NEW_TOKENS})")
     samp = p.add_argument_group("sampling (each flag not given: the model folder's generation_config.json; "
                                 "greedy without one)")
     samp.add_argument("--temperature", type=float, default=None, help="0 = greedy")
@@ -533,7 +536,7 @@ def _sampling(args, model) -> "Sampling":
 def _generate(args) -> int:
     from .loop import generate
     from .results import capacity_for
-    from .model import load
+    from .model import load, request_defaults
 
     folder = args.model or default_model()
     mesh = None
@@ -546,6 +549,8 @@ def _generate(args) -> int:
             raise UsageError(f"--devices {args.devices}: only {len(devices)} local device(s)")
         mesh = make_mesh(devices[:args.devices])
     model = load(folder, mesh=mesh, kv_dtype=args.kv_dtype)
+    if args.max_new_tokens is None:  # as vLLM takes the file's length for a request without one
+        args.max_new_tokens = request_defaults(folder).get("max_tokens", DEFAULT_NEW_TOKENS)
     sampling = _sampling(args, model)
     if args.batch:
         return _generate_batch(args, model, sampling)

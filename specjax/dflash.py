@@ -394,10 +394,11 @@ def check_vocab(ids: Any, vocab_size: int, source: str) -> np.ndarray:
     return arr.astype(np.int32)
 
 
-def save_dflash(drafter: Drafter, path: str | Path, dtype: str = "bfloat16") -> None:
+def save_dflash(drafter: Drafter, path: str | Path, dtype: str | None = None) -> None:
     """Write config.json and model.safetensors in the public format (and draft_vocab.json
     when the drafter has a draft vocabulary, markov_head.safetensors when it has a Markov
-    head); the argument order of `specjax.save`.
+    head); the argument order of `specjax.save`. dtype None: each weight as it is, in the
+    narrowest type that holds them all (`checkpoint.lossless_dtype`), as `specjax.save`.
 
     The old order, save_dflash(path, drafter), still works for one release with a
     DeprecationWarning (told apart by the drafter's type).
@@ -410,18 +411,19 @@ def save_dflash(drafter: Drafter, path: str | Path, dtype: str = "bfloat16") -> 
         raise DFlashError(f"save_dflash(drafter, path) needs a Drafter, got {type(drafter).__name__}")
     folder = Path(path)
     raw = drafter.config.to_hf()
-    raw["torch_dtype"] = dtype = checkpoint.save_dtype(dtype)
-    checkpoint.write_tensors(folder, to_hf(drafter.params, drafter.config), dtype)
+    tensors = to_hf(drafter.params, drafter.config)
+    head = {MARKOV_NAMES[k]: np.asarray(v) for k, v in drafter.params.get(MARKOV, {}).items()}
+    dtype = checkpoint.lossless_dtype(tensors | head) if dtype is None else checkpoint.save_dtype(dtype)
+    raw["torch_dtype"] = checkpoint.write_tensors(folder, tensors, dtype)
     (folder / "config.json").write_text(json.dumps(raw, indent=2))
     if drafter.vocab is not None:
         (folder / VOCAB_FILE).write_text(json.dumps({"token_ids": [int(i) for i in drafter.vocab]}))
     else:
         (folder / VOCAB_FILE).unlink(missing_ok=True)
-    if MARKOV in drafter.params:
+    if head:
         from safetensors.flax import save_file
 
-        head = {MARKOV_NAMES[k]: jnp.asarray(v).astype(dtype) for k, v in drafter.params[MARKOV].items()}
-        save_file(head, str(folder / MARKOV_FILE))
+        save_file({k: jnp.asarray(v).astype(dtype) for k, v in head.items()}, str(folder / MARKOV_FILE))
     else:
         (folder / MARKOV_FILE).unlink(missing_ok=True)
 

@@ -150,7 +150,6 @@ UNAPPLIED: dict[str, Any] = {
     "forced_bos_token_id": None, "forced_eos_token_id": None, "min_length": 0, "min_new_tokens": 0,
     "exponential_decay_length_penalty": None, "num_beams": 1, "penalty_alpha": 0.0, "guidance_scale": 1.0,
     "watermarking_config": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
-    "max_new_tokens": None,  # a default length: generate's is always the caller's (serve takes it, as vLLM's)
 }
 SAMPLED_ONLY = frozenset({"typical_p", "epsilon_cutoff", "eta_cutoff", "top_h"})
 
@@ -189,14 +188,15 @@ def _generation_config(folder: Path, cfg: Qwen3Config) -> tuple[Qwen3Config, Sam
 # generation_config.json fields vLLM's OpenAI server takes as request defaults
 # (vllm/config/model.py, ModelConfig.get_diff_sampling_param, with --generation-config auto,
 # its default), each where the file sets it, whatever do_sample says; max_new_tokens is
-# the default max_tokens. (repetition_penalty too: specjax has none, and load warns.)
+# the default max_tokens (`specjax serve`'s for chat, `specjax generate`'s
+# --max-new-tokens). (repetition_penalty too: specjax has none, and load warns.)
 SERVER_DEFAULTS: dict[str, type] = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
                                     "max_new_tokens": int}
 
 
-def server_defaults(folder: Path | None) -> dict[str, Any]:
-    """The request defaults `specjax serve` takes from `folder`'s generation_config.json, as
-    vLLM's server reads it (SERVER_DEFAULTS): {field: value} for each field the file sets
+def request_defaults(folder: Path | None) -> dict[str, Any]:
+    """The request defaults `specjax serve` (and the CLI's length) take from `folder`'s
+    generation_config.json, as vLLM's server reads it (SERVER_DEFAULTS): {field: value} for each field the file sets
     (null is unset), max_new_tokens under vLLM's name max_tokens, top_k -1 (vLLM's "off")
     as 0; {} without a folder or file. A bad value is a ConfigError naming file and field."""
     gen = None if folder is None else Path(folder) / "generation_config.json"
@@ -273,11 +273,48 @@ def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = N
     return Model(cfg, params, dtype, tokenizer, folder, defaults, kv_dtype)
 
 
-def save(model: Model, path: str | Path, dtype: str = "bfloat16", max_shard_bytes: int | None = None) -> None:
-    """Write the model (and its tokenizer) as a Hugging Face folder."""
+def save(model: Model, path: str | Path, dtype: str | None = None, max_shard_bytes: int | None = None) -> None:
+    """Write the model as a Hugging Face folder: weights, config.json, its tokenizer and
+    its generation_config.json (`generation_file`), so that `load` gives back the same
+    model and generation.
+
+    dtype: None writes every weight as it is, in the narrowest type that holds them all
+    exactly (`checkpoint.lossless_dtype`: a bfloat16 checkpoint stays bfloat16, a float32
+    one float32, as transformers' save_pretrained keeps a model's dtype); "bfloat16",
+    "float16" or "float32" rounds to that type."""
+    generation = generation_file(model)  # read before the save: `path` may be the folder it came from
     checkpoint.save(path, model.params, model.config, dtype, max_shard_bytes)
     if model.tokenizer is not None:
         model.tokenizer.save_pretrained(str(path))
+    gen = Path(path) / "generation_config.json"
+    if generation:
+        gen.write_text(json.dumps(generation, indent=2))
+    else:
+        gen.unlink(missing_ok=True)
+
+
+def generation_file(model: Model) -> dict[str, Any]:
+    """The generation_config.json `save` writes for `model`: the one of the folder it was
+    loaded from (every field kept), with its eos ids and, where `generation_defaults`
+    differs from what that file asks for, its sampling (do_sample and the four fields, all
+    set for a sampled default, removed for greedy, so that transformers' and vLLM's readings
+    agree); {} where there is nothing to write."""
+    source = None if model.path is None else Path(model.path) / "generation_config.json"
+    raw = read_json(source) if source is not None and source.is_file() else {}
+    if model.config.eos_token_id is not None:
+        eos = model.config.eos_token_id
+        raw["eos_token_id"] = list(eos) if isinstance(eos, tuple) else eos
+    asked = generation_sampling(raw, str(source)) if source is not None and source.is_file() else None
+    if model.generation_defaults != asked:
+        wanted = model.generation_defaults
+        for key in ("do_sample", *HF_SAMPLING_DEFAULTS):
+            raw.pop(key, None)
+        if wanted is not None and not wanted.greedy:
+            raw |= {"do_sample": True, "temperature": wanted.temperature, "top_k": wanted.top_k,
+                    "top_p": wanted.top_p, "min_p": wanted.min_p}
+        elif wanted is not None:
+            raw["do_sample"] = False
+    return raw
 
 
 def shard(model: Model, mesh: jax.sharding.Mesh | None = None, axis: str = AXIS) -> Model:

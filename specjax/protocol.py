@@ -68,7 +68,7 @@ class Served:
     """What requests are checked against: the served model's name, tokenizer, vocabulary
     and eos ids, the engine's max_len (prompt + new tokens of one sequence), and defaults
     for fields a request leaves out, where they are not vLLM's own (from the model folder's
-    generation_config.json, `specjax.model.server_defaults`): SAMPLING_FIELDS, and
+    generation_config.json, `specjax.model.request_defaults`): SAMPLING_FIELDS, and
     max_tokens for chat (a completion's default stays OpenAI's 16)."""
 
     name: str

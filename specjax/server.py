@@ -39,7 +39,7 @@ from starlette.routing import Route
 from .checkpoint import CheckpointError
 from .engine import Engine
 from .metrics import ServerMetrics
-from .model import server_defaults
+from .model import request_defaults
 from .pages import PoolError
 from .protocol import Plan, Reply, RequestError, Served, chat_plan, completion_plan, unknown_model, usage
 from .serving import EngineWorker, Failed, Refused, ShuttingDown, Ticket, Tokens
@@ -146,7 +146,7 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None,
 
     generation_config (vLLM's option and values): "auto", the sampling fields and chat's
     max_tokens that a request leaves out default to what the model folder's
-    generation_config.json sets, as in vLLM (`specjax.model.server_defaults`); "vllm",
+    generation_config.json sets, as in vLLM (`specjax.model.request_defaults`); "vllm",
     to vLLM's own defaults (temperature 1, no top-k / top-p / min-p).
 
     allowed_origins: the web origins whose pages may call the API from a browser (CORS:
@@ -158,7 +158,7 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None,
         raise CheckpointError(f"{model.path}: serving needs the model's tokenizer (tokenizer.json)")
     if generation_config not in ("auto", "vllm"):
         raise ValueError(f"generation_config must be 'auto' or 'vllm', got {generation_config!r}")
-    defaults = server_defaults(model.path) if generation_config == "auto" else {}
+    defaults = request_defaults(model.path) if generation_config == "auto" else {}
     served = Served(name, model.tokenizer, model.config.vocab_size, tuple(model.eos_ids), engine.max_len, defaults)
     metrics = ServerMetrics(name)
     worker = EngineWorker(engine, metrics, per_request)
@@ -298,7 +298,7 @@ def serve(engine: Engine, name: str, sock: socket.socket, per_request: dict | No
         print(f"compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     prometheus_client.disable_created_metrics()  # `_created` samples would double the exposition
     app = create_app(engine, name, per_request, allowed_origins, generation_config)
-    defaults = server_defaults(engine.model.path) if generation_config == "auto" else {}
+    defaults = request_defaults(engine.model.path) if generation_config == "auto" else {}
     if defaults:  # as vLLM says so: a client that leaves these out gets the model's, not vLLM's
         shown = ", ".join(f"{k} {v:g}" for k, v in defaults.items())
         print(f"request defaults from {engine.model.path / 'generation_config.json'}: {shown} "

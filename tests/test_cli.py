@@ -1,5 +1,7 @@
 """`specjax generate` streams text, reports stats, equals plain decoding, and exits 2 on bad input."""
 
+import json
+
 import pytest
 
 from specjax.cli import main
@@ -45,6 +47,12 @@ def test_prompt_ids_for_a_folder_without_tokenizer(tmp_path, capsys, rng):
         code, out, err = _run(capsys, "generate", "--model", str(tmp_path), "--prompt-ids", ",".join(map(str, ids)),
                               "--max-new-tokens", "6", *flags)
         assert code == 0 and out == "".join(f"{t}," for t in want)
+    # without --max-new-tokens, the folder's generation_config.json max_new_tokens (as vLLM's server takes it)
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({**(json.loads(gen.read_text()) if gen.is_file() else {}), "max_new_tokens": 4}))
+    code, out, _ = _run(capsys, "generate", "--model", str(tmp_path), "--prompt-ids", ",".join(map(str, ids)),
+                        "--no-speculate")
+    assert code == 0 and out == "".join(f"{t}," for t in want[:4])
     with pytest.raises(SystemExit) as e:
         main(["generate", "--model", str(tmp_path), "--prompt", "x"])
     assert e.value.code == 2

@@ -232,7 +232,7 @@ def test_broken_tokenizer_is_named_at_load(tmp_path, file, text, named):
      "repetition_penalty=2.0, no_repeat_ngram_size=2"),
     ({"do_sample": True, "temperature": 0.6, "presence_penalty": 1.5, "typical_p": 0.9, "bad_words_ids": [[3]]},
      "presence_penalty=1.5, bad_words_ids=[[3]], typical_p=0.9"),
-    ({"max_new_tokens": 256}, "max_new_tokens=256"),  # vLLM's serve takes it as its default max_tokens
+    ({"max_new_tokens": 256}, None),  # a default length: serve's and the CLI's (as vLLM's), the API's caller's
     # the values that change nothing, and typical_p where nothing is sampled (transformers ignores it too)
     ({"do_sample": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
       "num_beams": 1, "typical_p": 0.9}, None),
@@ -266,21 +266,21 @@ def test_generation_options_specjax_does_not_apply_are_warned(tmp_path, generati
     {"eos_token_id": 3},
 ])
 def test_serve_reads_request_defaults_from_generation_config_as_vllm(tmp_path, generation):
-    """`server_defaults` against vLLM's reading (vllm/config/model.py,
+    """`request_defaults` against vLLM's reading (vllm/config/model.py,
     get_diff_sampling_param): transformers' GenerationConfig.to_diff_dict() of the file
     (with transformers 5 every field it sets), limited to temperature, top_k, top_p, min_p
     and max_new_tokens (renamed max_tokens); repetition_penalty, which vLLM also takes,
     specjax does not implement (load warns of it). No file: nothing."""
     from transformers import GenerationConfig
-    from specjax.model import server_defaults
+    from specjax.model import request_defaults
 
-    assert server_defaults(tmp_path) == {} and server_defaults(None) == {}
+    assert request_defaults(tmp_path) == {} and request_defaults(None) == {}
     (tmp_path / "generation_config.json").write_text(json.dumps(generation))
     diff = GenerationConfig.from_pretrained(tmp_path).to_diff_dict()
     want = {k: diff[k] for k in ("temperature", "top_k", "top_p", "min_p") if diff.get(k) is not None}
     if diff.get("max_new_tokens") is not None:
         want["max_tokens"] = diff["max_new_tokens"]
-    assert server_defaults(tmp_path) == want
+    assert request_defaults(tmp_path) == want
 
 
 @pytest.mark.parametrize("bad, field", [({"top_p": 1.5}, "top_p"), ({"temperature": "hot"}, "temperature"),
@@ -290,15 +290,57 @@ def test_serve_refuses_bad_request_defaults_naming_file_and_field(tmp_path, bad,
     """A value vLLM's server would take as a request default and that no request may have
     fails at start, naming the file and field (not a 400 blaming each request); top_k -1 is
     vLLM's "off", kept as specjax's 0."""
-    from specjax.model import server_defaults
+    from specjax.model import request_defaults
 
     gen = tmp_path / "generation_config.json"
     gen.write_text(json.dumps({"top_k": -1}))
-    assert server_defaults(tmp_path) == {"top_k": 0}
+    assert request_defaults(tmp_path) == {"top_k": 0}
     gen.write_text(json.dumps({"do_sample": False, **bad}))
     with pytest.raises(ConfigError) as e:
-        server_defaults(tmp_path)
+        request_defaults(tmp_path)
     assert str(e.value).startswith(f"{gen}: ") and field in str(e.value)
+
+
+def test_save_keeps_the_generation_config(tmp_path):
+    """`save` writes the folder's generation_config.json back, every field kept (transformers'
+    save_pretrained writes one too), so generation from the saved folder is the same; a
+    model whose sampling defaults were changed writes its own (do_sample and the four
+    fields, or do_sample false and none of them, so transformers and vLLM read the same);
+    a model with none leaves no stale file where it is saved."""
+    import dataclasses
+
+    from transformers import GenerationConfig
+
+    from specjax import Sampling
+    from specjax.model import request_defaults
+
+    hf_tiny(tmp_path / "src", seed=6)
+    qwen3 = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": [3, 4],
+             "pad_token_id": 5, "max_new_tokens": 300}
+    (tmp_path / "src" / "generation_config.json").write_text(json.dumps(qwen3))
+    model = specjax.load(tmp_path / "src")
+    specjax.save(model, tmp_path / "same")
+    assert json.loads((tmp_path / "same" / "generation_config.json").read_text()) == qwen3
+    again = specjax.load(tmp_path / "same")
+    assert again.generation_defaults == model.generation_defaults == Sampling(0.6, 20, 0.95)
+    assert again.eos_ids == (3, 4) and request_defaults(tmp_path / "same") == request_defaults(tmp_path / "src")
+
+    specjax.save(dataclasses.replace(model, generation_defaults=Sampling()), tmp_path / "greedy")
+    hf = GenerationConfig.from_pretrained(tmp_path / "greedy")
+    assert not hf.do_sample and hf.pad_token_id == 5 and hf.max_new_tokens == 300
+    assert specjax.load(tmp_path / "greedy").generation_defaults == Sampling()
+    assert request_defaults(tmp_path / "greedy") == {"max_tokens": 300}
+    chosen = Sampling(0.8, 0, 0.9, 0.05)
+    specjax.save(dataclasses.replace(model, generation_defaults=chosen), tmp_path / "chosen")
+    hf = GenerationConfig.from_pretrained(tmp_path / "chosen")
+    assert (hf.do_sample, hf.temperature, hf.top_k, hf.top_p, hf.min_p) == (True, 0.8, 0, 0.9, 0.05)
+    assert specjax.load(tmp_path / "chosen").generation_defaults == chosen
+
+    bare = dataclasses.replace(model, path=None, generation_defaults=None,
+                               config=dataclasses.replace(model.config, eos_token_id=None))
+    specjax.save(bare, tmp_path / "same")  # over the folder saved first
+    assert not (tmp_path / "same" / "generation_config.json").exists()
+    assert specjax.load(tmp_path / "same").generation_defaults is None
 
 
 @pytest.mark.parametrize("attention_bias", [False, True])

@@ -215,7 +215,7 @@ def test_save_load_roundtrip(tiny, drafter16, tmp_path, rng):
         logits.append(np.asarray(draft_block(d.params, d.config, c, target.params, target.config, 7, 11, k=7)))
     np.testing.assert_array_equal(*logits)
 
-    save_dflash(drafter16, tmp_path / "bf16")  # the published dtype by default
+    save_dflash(drafter16, tmp_path / "bf16", dtype="bfloat16")  # the published dtype
     raw = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == 16
     assert raw["dflash_config"] == {"mask_token_id": 100, "target_layer_ids": [0, 2]}
@@ -226,6 +226,13 @@ def test_save_load_roundtrip(tiny, drafter16, tmp_path, rng):
     half = load_dflash(tmp_path / "bf16", target)
     rounded = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), drafter16.params)
     assert same(half.params, rounded)
+    # by default each weight as it is: float32 values stay float32, bfloat16 ones are written back bitwise
+    save_dflash(drafter16, tmp_path / "default")
+    save_dflash(half, tmp_path / "again")
+    for folder, kind in (("default", "F32"), ("again", "BF16")):
+        with safe_open(tmp_path / folder / "model.safetensors", framework="numpy") as f:
+            assert {f.get_slice(n).get_dtype() for n in f.keys()} == {kind}
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (tmp_path / "bf16" / "model.safetensors").read_bytes()
 
 
 @pytest.mark.parametrize("change, match", [

@@ -3,6 +3,8 @@ the logits of the same checkpoint widened to float32 at load (the reference), in
 of step, at half the memory. int8 (quantized at load): a different model, whose speculative
 output equals its own plain output."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,16 +104,44 @@ def test_speculative_output_equals_plain_in_16_bits(pair):
 
 
 def test_save_writes_the_checkpoint_back_bitwise(pair, tmp_path):
-    folder, m16, _, dtype = pair
-    specjax.save(m16, tmp_path / "again", dtype=dtype)
+    """By default (dtype None) and in the checkpoint's own type, from the model kept in 16
+    bits and from the one widened to float32 at load: the same file as transformers wrote."""
+    folder, m16, m32, dtype = pair
     before = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
-    after = {k: v for f in (tmp_path / "again").glob("*.safetensors") for k, v in load_file(f).items()}
     if m16.config.tie_word_embeddings:
         before.pop("lm_head.weight", None)
-    assert sorted(before) == sorted(after)
-    for name, value in before.items():
-        assert after[name].dtype == value.dtype, name
-        np.testing.assert_array_equal(after[name].view(np.uint16), value.view(np.uint16), err_msg=name)
+    for model, kw in ((m16, {}), (m32, {}), (m16, {"dtype": dtype})):
+        again = tmp_path / f"again-{len(kw)}-{model is m16}"
+        specjax.save(model, again, **kw)
+        after = {k: v for f in again.glob("*.safetensors") for k, v in load_file(f).items()}
+        assert sorted(before) == sorted(after)
+        for name, value in before.items():
+            assert after[name].dtype == value.dtype, name
+            np.testing.assert_array_equal(after[name].view(np.uint16), value.view(np.uint16), err_msg=name)
+        assert json.loads((again / "config.json").read_text())["torch_dtype"] == dtype
+
+
+def test_a_float32_checkpoint_saves_back_in_float32_and_a_16_bit_request_rounds(tmp_path):
+    """A float32 checkpoint saved with the default dtype keeps every bit (transformers'
+    save_pretrained keeps a model's dtype too); asking for bfloat16 rounds each weight to
+    nearest even, as torch does."""
+    import torch
+
+    folder = tmp_path / "f32"
+    hf_tiny(folder, seed=8, num_hidden_layers=1)
+    model = specjax.load(folder)
+    specjax.save(model, tmp_path / "default")
+    specjax.save(model, tmp_path / "rounded", dtype="bfloat16")
+    source = load_file(folder / "model.safetensors")
+    for name, want in source.items():
+        got = load_file(tmp_path / "default" / "model.safetensors").get(name)
+        if got is None:  # a tied head is written once
+            continue
+        assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32)), name
+        rounded = load_file(tmp_path / "rounded" / "model.safetensors")[name]
+        torch_rounded = torch.from_numpy(want).to(torch.bfloat16).view(torch.int16).numpy()
+        np.testing.assert_array_equal(rounded.view(np.int16), torch_rounded, err_msg=name)
+    assert json.loads((tmp_path / "default" / "config.json").read_text())["torch_dtype"] == "float32"
 
 
 def test_float32_on_request_and_16_bit_compute_are_not_packed_16(tmp_path):

@@ -506,7 +506,7 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
         if record["best_tau"] is None or row["tau"] > record["best_tau"]:
             record["best_tau"] = row["tau"]
             if out_dir:
-                dflash.save_dflash(drafter, out_dir)
+                dflash.save_dflash(drafter, out_dir, dtype="bfloat16")  # the published format
                 row["exported"] = str(out_dir)
         lm.append_metrics(run_dir, row)
         tqdm.write(f"step {step}: tau {row['tau']:.3f} " + " ".join(
