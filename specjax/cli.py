@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -49,6 +50,18 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
     return value
+
+
+def _template_kwargs(text: str) -> dict:
+    """--chat-template-kwargs: a JSON object of chat template variables (`specjax.chat`)."""
+    from .chat import ChatError, template_kwargs
+
+    try:
+        return template_kwargs(json.loads(text), "a chat template's variables")
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
+    except ChatError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _origins(text: str) -> tuple[str, ...]:
@@ -126,6 +139,9 @@ def _add_generate(sub) -> None:
     src.add_argument("--prompt-ids", type=_ids_arg, metavar="I,J,...",
                      help="the prompt as comma-separated token ids (for folders without a tokenizer)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument("--chat-template-kwargs", type=_template_kwargs, default=None, metavar="JSON",
+                   help="variables for the chat template, as vLLM's chat_template_kwargs "
+                        "(e.g. '{\"enable_thinking\": false}' turns Qwen3's thinking off)")
     p.add_argument("--batch", action="store_true",
                    help="--prompt-file holds many prompts (one per line, or JSONL lines {\"prompt\": ...} or "
                         "{\"messages\": [...]}), generated together by the batched engine")
@@ -331,8 +347,11 @@ def _checked(ids: list[int], config: Qwen3Config, max_new_tokens: int, where: st
 
 def _prompt_ids(args, tokenizer, folder: Path, config: Qwen3Config) -> list[int]:
     """The prompt the flags give, as token ids the model takes (`_checked`)."""
+    from .chat import ChatError, render
     from .prompt_files import read_text
 
+    if args.chat_template_kwargs is not None and not args.chat:
+        raise UsageError("--chat-template-kwargs sets variables of the chat template: it needs --chat")
     if args.prompt_ids is not None:
         if args.chat:
             raise UsageError("--chat needs a text prompt (--prompt or --prompt-file), not --prompt-ids")
@@ -354,8 +373,10 @@ def _prompt_ids(args, tokenizer, folder: Path, config: Qwen3Config) -> list[int]
             raise UsageError("--chat: this model's tokenizer has no chat template")
         if not text.strip():  # the template's tokens alone are no prompt (as --batch refuses blank messages)
             raise UsageError(f"{source}: the prompt is empty (--chat needs a message)")
-        ids = list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                 tokenize=True, return_dict=False))
+        try:
+            ids = render(tokenizer, [{"role": "user", "content": text}], args.chat_template_kwargs)
+        except ChatError as e:
+            raise UsageError(f"{source}: {e}") from None
     else:
         ids = tokenizer(text)["input_ids"]
         if not ids:
@@ -465,7 +486,8 @@ def _batch_prompts(args, tokenizer, folder: Path, config: Qwen3Config) -> list[l
         raise UsageError("--batch reads its prompts from --prompt-file")
     if tokenizer is None:
         raise UsageError(f"{folder}: no tokenizer files (tokenizer.json / tokenizer_config.json) for --batch")
-    prompts = read_prompt_file(args.prompt_file, tokenizer, chat=args.chat)
+    prompts = read_prompt_file(args.prompt_file, tokenizer, chat=args.chat,
+                               template_kwargs=args.chat_template_kwargs)
     return [_checked(list(p.ids), config, args.max_new_tokens, p.where) for p in prompts]
 
 

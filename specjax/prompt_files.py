@@ -4,7 +4,7 @@ drafter training (`python -m train.dflash --prompt-file FILE` or `--prompt-dir D
 - JSONL (a ``.jsonl`` file, or one whose first non-empty line starts with ``{``): one
   object per line, either ``{"prompt": "text"}`` or ``{"messages": [{"role": ..,
   "content": ..}, ..]}``. Messages are always formatted by the tokenizer's chat template
-  (with the assistant's turn opened); a plain prompt is tokenized as it is, or as one
+  (with the assistant's turn opened; `specjax.chat`); a plain prompt is tokenized as it is, or as one
   user message with ``chat=True`` (``--chat``).
 - Plain text: one prompt per line; blank lines separate nothing and are skipped.
 - A folder: every regular, non-hidden file is one prompt (its whole text), by sorted name.
@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .chat import ChatError, render
 from .errors import PromptError
 
 KEYS = ("prompt", "messages")
@@ -39,14 +40,12 @@ class Prompt:
     ids: tuple[int, ...]
 
 
-def _template(tokenizer: Any, messages: list[dict], where: str) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise PromptError(f"{where}: the tokenizer has no chat template to format messages with")
+def _template(tokenizer: Any, messages: list[dict], where: str, template_kwargs: dict[str, Any] | None
+              ) -> list[int]:
     try:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
-    except Exception as e:  # the template's own checks (roles, order) fail with jinja's errors
-        raise PromptError(f"{where}: the chat template failed on these messages: {e}") from None
+        return render(tokenizer, messages, template_kwargs)
+    except ChatError as e:
+        raise PromptError(f"{where}: {e}") from None
 
 
 def _messages(value: Any, where: str) -> list[dict]:
@@ -59,8 +58,10 @@ def _messages(value: Any, where: str) -> list[dict]:
     return value
 
 
-def tokenize(text_or_messages: str | list[dict], tokenizer: Any, chat: bool, where: str) -> Prompt:
-    """One prompt as token ids: messages (or text with `chat`) through the chat template."""
+def tokenize(text_or_messages: str | list[dict], tokenizer: Any, chat: bool, where: str,
+             template_kwargs: dict[str, Any] | None = None) -> Prompt:
+    """One prompt as token ids: messages (or text with `chat`) through the chat template,
+    with `template_kwargs` among its variables (`specjax.chat.render`)."""
     if isinstance(text_or_messages, str):
         if not text_or_messages.strip():
             raise PromptError(f"{where}: the prompt is empty")
@@ -68,7 +69,7 @@ def tokenize(text_or_messages: str | list[dict], tokenizer: Any, chat: bool, whe
             ids = tokenizer(text_or_messages)["input_ids"]
             return Prompt(where, tuple(int(i) for i in ids))
         text_or_messages = [{"role": "user", "content": text_or_messages}]
-    return Prompt(where, tuple(int(i) for i in _template(tokenizer, text_or_messages, where)))
+    return Prompt(where, tuple(_template(tokenizer, text_or_messages, where, template_kwargs)))
 
 
 def _object(pairs: list[tuple[str, Any]]) -> dict:
@@ -115,8 +116,10 @@ def read_text(path: Path) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def read_prompt_file(path: str | Path, tokenizer: Any, chat: bool = False) -> list[Prompt]:
-    """Every prompt of a JSONL or plain-text file (module docstring), in file order."""
+def read_prompt_file(path: str | Path, tokenizer: Any, chat: bool = False,
+                     template_kwargs: dict[str, Any] | None = None) -> list[Prompt]:
+    """Every prompt of a JSONL or plain-text file (module docstring), in file order;
+    `template_kwargs` as `tokenize`."""
     path = Path(path)
     if not path.is_file():
         raise PromptError(f"--prompt-file {path}: no such file")
@@ -124,8 +127,8 @@ def read_prompt_file(path: str | Path, tokenizer: Any, chat: bool = False) -> li
     if not lines:
         raise PromptError(f"{path}: no prompts (the file is empty)")
     jsonl = path.suffix == ".jsonl" or lines[0][1].lstrip().startswith("{")
-    return [tokenize(_record(line, f"{path}:{n}") if jsonl else line, tokenizer, chat, f"{path}:{n}")
-            for n, line in lines]
+    return [tokenize(_record(line, f"{path}:{n}") if jsonl else line, tokenizer, chat, f"{path}:{n}",
+                     template_kwargs) for n, line in lines]
 
 
 def read_prompt_dir(path: str | Path, tokenizer: Any, chat: bool = False) -> list[Prompt]:

@@ -24,6 +24,7 @@ import time
 import uuid
 from typing import Any
 
+from . import chat
 from .sampling import Sampling, SamplingError
 from .serving import Submission
 from .errors import SpecjaxError
@@ -47,7 +48,8 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 COMMON = frozenset({"model", "max_tokens", "n", "seed", "stop", "stop_token_ids", "ignore_eos", "stream",
                     "stream_options", *SAMPLING_FIELDS})
 COMPLETION_FIELDS = COMMON | {"prompt"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "add_generation_prompt",
+                        "continue_final_message"}
 
 
 class RequestError(SpecjaxError):
@@ -113,10 +115,10 @@ def _number(body: dict, name: str, default: float) -> float:
     return float(value)
 
 
-def _boolean(body: dict, name: str) -> bool:
+def _boolean(body: dict, name: str, default: bool = False) -> bool:
     value = body.get(name)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise RequestError(f"{name} must be true or false, got {value!r}", name)
     return value
@@ -266,10 +268,18 @@ def _chat_prompt(body: dict, served: Served) -> list[int]:
                            "use /v1/completions with a prompt", "messages")
     messages = [_content(m, i) for i, m in enumerate(messages)]
     try:
-        ids = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False)
-    except Exception as e:  # the template's own error (jinja raises several kinds)
-        raise RequestError(f"messages: the chat template failed: {e}", "messages") from None
+        variables = chat.template_kwargs(body.get("chat_template_kwargs"), "chat_template_kwargs")
+    except chat.ChatError as e:
+        raise RequestError(str(e), "chat_template_kwargs") from None
+    add, go_on = _boolean(body, "add_generation_prompt", True), _boolean(body, "continue_final_message")
+    if add and go_on:
+        raise RequestError("continue_final_message needs add_generation_prompt: false (vLLM's rule: the last "
+                           "message is continued, not answered)", "continue_final_message")
+    try:
+        ids = chat.render(served.tokenizer, messages, variables, add_generation_prompt=add,
+                          continue_final_message=go_on)
+    except chat.ChatError as e:
+        raise RequestError(f"messages: {e}", "messages") from None
     if not ids:
         raise RequestError("messages: the chat template made an empty prompt", "messages")
     return list(ids)

@@ -240,18 +240,28 @@ def test_chat_wraps_the_prompt_and_refuses_a_blank_one(folder, tmp_path, capsys)
     shutil.copytree(folder, chat)
     config = json.loads((chat / "tokenizer_config.json").read_text())
     config["chat_template"] = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                               "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+                               "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and "
+                               "enable_thinking is false %}<think></think>{% endif %}{% endif %}")
     (chat / "tokenizer_config.json").write_text(json.dumps(config))
     model = specjax.load(chat)
-    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False)
-    want = model.tokenizer.decode(specjax.generate(model, list(ids), max_new_tokens=6).tokens)
-    code, out, err = _run(capsys, "generate", "--model", str(chat), "--chat", "--prompt", "hi", "--max-new-tokens", "6")
-    assert code == 0 and out == want, err
+    for kw, flags in (({}, []), ({"enable_thinking": False}, ["--chat-template-kwargs", '{"enable_thinking": false}'])):
+        ids = model.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False, **kw)
+        want = model.tokenizer.decode(specjax.generate(model, list(ids), max_new_tokens=6).tokens)
+        code, out, err = _run(capsys, "generate", "--model", str(chat), "--chat", "--prompt", "hi",
+                              "--max-new-tokens", "6", *flags)
+        assert code == 0 and out == want, err
     for prompt in ("", "  \n"):
         with pytest.raises(SystemExit) as e:
             main(["generate", "--model", str(chat), "--chat", "--prompt", prompt, "--max-new-tokens", "2"])
         assert e.value.code == 2 and "--prompt: the prompt is empty" in capsys.readouterr().err
+    for flags, said in ((["--chat-template-kwargs", '{"enable_thinking": false}'], "it needs --chat"),
+                        (["--chat", "--chat-template-kwargs", '{"tokenize": false}'], "may not set tokenize"),
+                        (["--chat", "--chat-template-kwargs", "[1]"], "must be an object"),
+                        (["--chat", "--chat-template-kwargs", "{x"], "not JSON")):
+        with pytest.raises(SystemExit) as e:
+            main(["generate", "--model", str(chat), "--prompt", "hi", "--max-new-tokens", "2", *flags])
+        assert e.value.code == 2 and said in capsys.readouterr().err, flags
 
 
 def _shown(model, tokens) -> str:

@@ -541,6 +541,45 @@ def test_chat_messages_keep_their_tool_and_reasoning_fields(served, tokenizer):
     assert "<think>use the tool</think>" in text and "<call c1>add(" in text and "[for c1]" in text
 
 
+# Qwen3's switch for its thinking mode, as its chat template reads it (cut to what is tested)
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+            "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_and_switches_reach_the_template_as_in_vllm(served):
+    """vLLM's chat_template_kwargs are variables of the template (Qwen3's enable_thinking:
+    false opens the reply with an empty think block); add_generation_prompt: false leaves
+    the assistant's header out, continue_final_message goes on with the last message; each
+    prompt is what transformers' apply_chat_template renders. A renderer argument among the
+    variables, variables that are no object, and both switches on are 400s naming the field."""
+    qwen = dataclasses.replace(served, tokenizer=AutoTokenizer.from_pretrained(str(SHIPPED)))
+    qwen.tokenizer.chat_template = THINKING
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    partial = [*messages, {"role": "assistant", "content": "    return"}]
+
+    def want(msgs, **kw):
+        return list(qwen.tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=False, **kw))
+
+    assert chat_plan({"messages": messages}, qwen).prompts == [want(messages, add_generation_prompt=True)]
+    off = chat_plan({"messages": messages, "chat_template_kwargs": {"enable_thinking": False}}, qwen).prompts[0]
+    assert off == want(messages, add_generation_prompt=True, enable_thinking=False)
+    assert qwen.tokenizer.decode(off).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    bare = chat_plan({"messages": messages, "add_generation_prompt": False}, qwen).prompts[0]
+    assert bare == want(messages, add_generation_prompt=False)
+    going_on = chat_plan({"messages": partial, "add_generation_prompt": False, "continue_final_message": True},
+                         qwen).prompts[0]
+    assert going_on == want(partial, continue_final_message=True)
+    assert qwen.tokenizer.decode(going_on).endswith("    return")
+    for bad, param in (({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+                       ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+                       ({"continue_final_message": True}, "continue_final_message"),
+                       ({"add_generation_prompt": 1}, "add_generation_prompt")):
+        with pytest.raises(RequestError) as e:
+            chat_plan({"messages": partial} | bad, qwen)
+        assert e.value.param == param, bad
+
+
 def test_chat_without_a_template_names_messages(model):
     shipped = dataclasses.replace(model, tokenizer=AutoTokenizer.from_pretrained(str(SHIPPED)))  # no template
     with running(create_app(Engine(shipped, None, max_batch=1, max_len=MAX_LEN), "tiny-code")) as base:

@@ -108,6 +108,15 @@ def test_plain_lines_dirs_and_chat_flag(target, tmp_path):
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text('{"prompt": "w4 w5"}\n')
     assert prompts.read_prompt_file(jsonl, tok)[0].ids == tuple(tok("w4 w5")["input_ids"])
+    # the chat template's own variables (--chat-template-kwargs) reach it, as apply_chat_template's keywords
+    import copy
+    greeter = copy.deepcopy(tok)
+    greeter.chat_template = TEMPLATE + "{% if greeting is defined %} {{ greeting }}{% endif %}"
+    said = prompts.read_prompt_file(text, greeter, chat=True, template_kwargs={"greeting": "w9"})
+    assert said[1].ids == tuple(greeter.apply_chat_template([{"role": "user", "content": "w3"}], greeting="w9",
+                                                            add_generation_prompt=True, tokenize=True,
+                                                            return_dict=False))
+    assert said[1].ids != chat[1].ids
     d = tmp_path / "dir"
     d.mkdir()
     (d / "b.txt").write_text("w7\nw8")
