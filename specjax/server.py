@@ -124,6 +124,16 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _json_media(request: Request) -> None:
+    """A generation request's body must be sent as application/json (as vLLM requires): a
+    browser sends a cross-origin POST of text/plain or a form without asking first (no CORS
+    preflight), so any page could make the server generate past --allowed-origins."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise RequestError(f"the request body must be JSON sent with Content-Type: application/json, got "
+                           f"{media or 'no Content-Type'}", None, status=415)
+
+
 def _json(raw: bytes) -> Any:
     try:
         return json.loads(raw)
@@ -164,6 +174,7 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None,
     worker = EngineWorker(engine, metrics, per_request)
 
     async def generate(request: Request, parse: Callable[[Any, Served], Plan]) -> Response:
+        _json_media(request)
         raw = await request.body()
         # parsing and tokenizing (the chat template too) take time in the prompt's length,
         # and the tokenizer lets go of the GIL: in a thread, other streams go on meanwhile

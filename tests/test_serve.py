@@ -619,6 +619,17 @@ def test_allowed_origins_limit_which_pages_may_call(model):
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
     assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
     assert get.status_code == 200 and "access-control-allow-origin" not in get.headers
+    # a "simple" request (no preflight: text/plain or a form) from another page generates nothing
+    with running(create_app(engine, NAME, allowed_origins=("https://app.example",))) as base:
+        for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+            r = httpx.post(f"{base}/v1/completions", content=b'{"prompt": "x", "max_tokens": 2}',
+                           headers={"Origin": "https://evil.example", **({"content-type": kind} if kind else {})})
+            assert r.status_code == 415 and r.json()["error"]["message"].startswith(
+                "the request body must be JSON sent with Content-Type: application/json"), kind
+        assert metrics(base)[("specjax:prompt_tokens_total", ())] == 0
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=120,
+                       headers={"content-type": "Application/JSON; charset=utf-8"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     with running(create_app(engine, NAME, allowed_origins=())) as base:
         r = httpx.options(f"{base}/v1/chat/completions", headers={"Origin": "https://app.example", **PREFLIGHT})
     assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
