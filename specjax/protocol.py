@@ -4,9 +4,10 @@ engine submissions, and the JSON of responses and stream chunks.
 Fields follow OpenAI's completions and chat completions APIs, plus vLLM's extra sampling
 fields (`top_k`, `min_p`, `stop_token_ids`, `ignore_eos`). Defaults are OpenAI's and
 vLLM's: temperature 1; `max_tokens` 16 for completions (less if the context has less room)
-and the rest of the context for chat; and as in vLLM, the sampling fields and chat's
-max_tokens default to what the model folder's generation_config.json sets
-(`Served.defaults`). A field this server does not implement (logprobs,
+and the rest of the context for chat (and for a completion's explicit null); and as in
+vLLM, the sampling fields and that max_tokens default to what the model folder's
+generation_config.json sets (`Served.defaults`). Chat's `max_completion_tokens` wins over
+`max_tokens`. A field this server does not implement (logprobs,
 penalties, tools, ...) is refused with a 400 naming it unless it has its neutral value (of
 the same type: `logprobs: 0` is not `false`), and so is a field it does not know or one of
 the other endpoint's: nothing asked for is silently dropped. An unknown model is a 404.
@@ -71,7 +72,7 @@ class Served:
     and eos ids, the engine's max_len (prompt + new tokens of one sequence), and defaults
     for fields a request leaves out, where they are not vLLM's own (from the model folder's
     generation_config.json, `specjax.model.request_defaults`): SAMPLING_FIELDS, and
-    max_tokens for chat (a completion's default stays OpenAI's 16)."""
+    max_tokens for chat (a completion left without one keeps OpenAI's 16)."""
 
     name: str
     tokenizer: Any
@@ -289,10 +290,14 @@ def _chat_prompt(body: dict, served: Served) -> list[int]:
 
 def _plan(body: dict, served: Served, prompts: list[list[int]], chat: bool) -> Plan:
     prompt_param = "messages" if chat else "prompt"
-    tokens_param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    if tokens_param == "max_completion_tokens" and body.get("max_tokens") is not None:
-        raise RequestError("give max_completion_tokens or max_tokens, not both", "max_tokens")
-    asked = _integer(body, tokens_param, None, 1)
+    # chat's max_completion_tokens (OpenAI's newer name) wins over max_tokens where both are
+    # given, as in vLLM; a completion's max_tokens left out is OpenAI's 16, but sent as null
+    # it is the default chat has (vLLM's CompletionRequest defaults the field, not a null)
+    asked = _integer(body, "max_tokens", None, 1)
+    tokens_param = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        asked, tokens_param = _integer(body, "max_completion_tokens", None, 1), "max_completion_tokens"
+    short = not chat and "max_tokens" not in body
     sampling = _sampling(body, served.defaults)
     n = _integer(body, "n", 1, 1, MAX_N)
     seed = _integer(body, "seed", None, *SEED_RANGE)
@@ -320,8 +325,8 @@ def _plan(body: dict, served: Served, prompts: list[list[int]], chat: bool) -> P
         if asked is not None and asked > room:
             raise RequestError(f"{tokens_param} = {asked} with a prompt of {len(ids)} tokens exceeds this server's "
                                f"context of {served.max_len} tokens: at most {room}", tokens_param)
-        new = asked if asked is not None else min(served.defaults.get("max_tokens", room), room) if chat else \
-            min(COMPLETION_MAX_TOKENS, room)
+        new = asked if asked is not None else min(COMPLETION_MAX_TOKENS if short else
+                                                  served.defaults.get("max_tokens", room), room)
         for j in range(n):
             submissions.append(Submission(ids, new, sampling, (seed + j) % SEEDS, stop_set))
     return Plan(chat, prompts, submissions, _stops(body), stream,

@@ -189,11 +189,19 @@ def test_completions_default_to_16_tokens_and_chat_to_the_rest_of_the_context(cl
     def budgets(plan):
         return [s.max_new_tokens for s in plan.submissions]
 
-    assert budgets(completion_plan({"prompt": "x", "max_tokens": None}, served)) == [16]
     assert budgets(completion_plan({"prompt": list(range(MAX_LEN - 6))}, served)) == [6]
+    # sent as null, a completion's max_tokens is the rest of the context, as vLLM's
+    assert budgets(completion_plan({"prompt": list(range(40)), "max_tokens": None}, served)) == [MAX_LEN - 40]
     rendered = "<|user|>\ndef add(a, b):\n<|assistant|>\n"
-    plan = chat_plan({"messages": [{"role": "user", "content": "def add(a, b):"}]}, served)
-    assert budgets(plan) == [MAX_LEN - len(ids_of(tokenizer, rendered))]
+    chat = {"messages": [{"role": "user", "content": "def add(a, b):"}]}
+    assert budgets(chat_plan(chat, served)) == [MAX_LEN - len(ids_of(tokenizer, rendered))]
+    # max_completion_tokens wins over max_tokens (both checked), as in vLLM
+    assert budgets(chat_plan(chat | {"max_tokens": 9, "max_completion_tokens": 5}, served)) == [5]
+    assert budgets(chat_plan(chat | {"max_tokens": 9, "max_completion_tokens": None}, served)) == [9]
+    for bad in ({"max_tokens": "x", "max_completion_tokens": 5}, {"max_tokens": 9, "max_completion_tokens": 0}):
+        with pytest.raises(RequestError) as e:
+            chat_plan(chat | bad, served)
+        assert e.value.param == next(k for k, v in bad.items() if v in ("x", 0)), bad
 
 
 def test_request_defaults_fill_only_the_fields_a_request_leaves_out(served, tokenizer):
