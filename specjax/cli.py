@@ -230,7 +230,7 @@ def _add_serve(sub) -> None:
                         "browser (CORS), '*' any (the default, as vLLM and llama.cpp's server), '' none")
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="S",
                    help="on SIGTERM / SIGINT, seconds running requests may take to finish before they are "
-                        "cancelled")
+                        "cancelled (each answered with a 503 error)")
     p.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
                    help="auto: the sampling fields (and chat's max_tokens) a request leaves out take what the "
                         "model folder's generation_config.json sets, as in vLLM; vllm: vLLM's own defaults "

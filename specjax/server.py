@@ -10,9 +10,9 @@ event loop, so a long prompt does not hold up other clients' streams. Its choice
 the engine thread as one ticket; their tokens come back as events on this loop, become
 text (`specjax.textstream`) and are answered at the end or streamed as they arrive. A
 client that goes away (mid-stream or while waiting) cancels its requests, so their pages
-return to the pool. On shutdown uvicorn stops accepting, lets running requests finish for
-the graceful-shutdown timeout, then cancels them; the lifespan's end stops the engine
-thread, cancelling whatever is left.
+return to the pool. On shutdown uvicorn stops accepting and running requests may finish
+for the shutdown timeout; then they are cancelled, each answered with a 503 error (a
+stream: an error event, then [DONE]); the lifespan's end stops the engine thread.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import contextlib
 import json
 import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -46,8 +47,17 @@ from .serving import EngineWorker, Failed, Refused, ShuttingDown, Ticket, Tokens
 from .textstream import TextStream
 
 
+SHUTDOWN = "shutdown"  # the finish reason of requests the server cancels when its shutdown timeout runs out
+CLOSE_GRACE = 5.0  # seconds uvicorn waits past that timeout for the streams to send their last events
+
+
 class EngineFailure(RuntimeError):
-    """The engine failed while generating a choice."""
+    """A choice ended without finishing: the engine failed (status 500), or the server
+    cancelled it on its way down (503)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 class _Run:
@@ -91,11 +101,15 @@ class _Run:
         event = await self.events.get()
         if isinstance(event, Failed):
             self.finish[event.index] = "error"
-            raise EngineFailure(event.message)
+            raise EngineFailure(f"generation failed: {event.message}")
         assert isinstance(event, Tokens), event
         i = event.index
         if self.finish[i] is not None:
             return None
+        if event.finish == SHUTDOWN:
+            self.finish[i] = "abort"
+            raise EngineFailure("the server is shutting down: the request was cancelled when its shutdown "
+                                "timeout ran out", status=503)
         text = self.texts[i].add(event.tokens, final=event.finish is not None)
         if self.texts[i].stopped:
             if event.finish is None:
@@ -198,7 +212,7 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None,
                 return Response(status_code=499)
             work.result()
         except EngineFailure as e:
-            raise RequestError(f"generation failed: {e}", None, status=500) from None
+            raise RequestError(str(e), None, status=e.status) from None
         finally:
             work.cancel()
             gone.cancel()
@@ -219,7 +233,7 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None,
             if with_usage:
                 yield _sse(reply.chunk([], run.usage(), True))
         except EngineFailure as e:
-            yield _sse(RequestError(f"generation failed: {e}", None, status=500).body())
+            yield _sse(RequestError(str(e), None, status=e.status).body())
         finally:  # also when the client went away: Starlette cancels this generator then
             run.cancel()
         yield _sse("[DONE]")
@@ -277,7 +291,9 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None,
     handlers = {RequestError: request_error, HTTPException: http_error, Exception: server_error}
     cors = [Middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                        allow_headers=["*"])] if allowed_origins else []
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=cors)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=cors)
+    app.state.worker = worker  # for `serve`, which cancels what still runs when its shutdown timeout runs out
+    return app
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -316,6 +332,23 @@ def serve(engine: Engine, name: str, sock: socket.socket, per_request: dict | No
               "(--generation-config vllm for vLLM's own)", file=sys.stderr, flush=True)
     host, port = sock.getsockname()[:2]
     print(f"serving {name!r} at http://{host}:{port}/v1", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout,
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=shutdown_timeout + CLOSE_GRACE,
                             log_level="info")
-    uvicorn.Server(config).run(sockets=[sock])
+    _Server(config, shutdown_timeout, app.state.worker).run(sockets=[sock])
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose first SIGINT / SIGTERM also starts the shutdown timeout's
+    clock: when it runs out, the requests still running are cancelled, so that each ends
+    with an error (a stream: an error event, then [DONE]) before uvicorn's own timeout,
+    CLOSE_GRACE later, would cut its connection mid-body."""
+
+    def __init__(self, config: uvicorn.Config, timeout: float, worker: EngineWorker):
+        super().__init__(config)
+        self.timer = threading.Timer(timeout, worker.cancel_all, args=(SHUTDOWN,))
+        self.timer.daemon = True
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.timer.is_alive() and not self.timer.finished.is_set():
+            self.timer.start()
+        super().handle_exit(sig, frame)

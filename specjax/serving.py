@@ -125,6 +125,10 @@ class EngineWorker:
         its pages return to the pool. `reason` is its finish reason in the metrics."""
         self._commands.put(("cancel", ticket, index, reason))
 
+    def cancel_all(self, reason: str) -> None:
+        """Cancel every running submission of every ticket, each told `reason`."""
+        self._commands.put(("cancel", None, None, reason))
+
     def stop(self, timeout: float | None = None) -> None:
         """Cancel everything running and end the thread (after its current step)."""
         self._stopping.set()
@@ -155,7 +159,8 @@ class EngineWorker:
             if kind == "submit":
                 self._submit(ticket)
             else:
-                for run in [r for r in self._running.values() if r.ticket is ticket and index in (None, r.index)]:
+                for run in [r for r in self._running.values()
+                            if ticket in (None, r.ticket) and index in (None, r.index)]:
                     self._cancel(run, reason)
             try:
                 command = self._commands.get_nowait()

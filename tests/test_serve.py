@@ -709,6 +709,44 @@ def test_sigterm_lets_a_running_stream_finish(model, tokenizer):
     assert "Application shutdown complete" in "".join(lines)
 
 
+def test_when_the_shutdown_timeout_runs_out_streams_end_with_an_error_event(model):
+    """`serve`'s server on SIGTERM: when its shutdown timeout (0 s here) runs out, a stream
+    still running gets an error event (503, the server shutting down) and [DONE], a whole
+    body, rather than a connection cut mid-stream by uvicorn's own timeout; then the server
+    stops."""
+    import uvicorn
+
+    from specjax.server import CLOSE_GRACE, _Server
+
+    engine = Engine(model, None, max_batch=2, max_len=MAX_LEN)
+    app = create_app(engine, NAME)
+    sock = bind("127.0.0.1", 0)
+    server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=CLOSE_GRACE), 0.0,
+                     app.state.worker)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.02)
+    body = {"prompt": PROMPTS[0], "max_tokens": MAX_LEN - 10, "temperature": 0, "stream": True, "ignore_eos": True}
+    events = []
+    with httpx.stream("POST", f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions", json=body,
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+                if len(events) == 1:
+                    server.handle_exit(signal.SIGTERM, None)
+    thread.join(60)
+    assert not thread.is_alive()
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and error["message"].startswith("the server is shutting down")
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
+    assert len(text) > 0 and all("finish_reason" in json.loads(e)["choices"][0] for e in events[:-2])
+
+
 def test_text_stream_holds_back_what_may_start_a_stop_string(tokenizer):
     """Token by token: what is sent never runs past the cut, and adds up to the text
     before the earliest stop string."""
