@@ -93,6 +93,9 @@ class Plan:
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
+    # the stop ids a choice's stop_reason names, as vLLM's: those asked for, less the eos
+    # ids where eos stops (vLLM checks eos first and reports it as no stop_reason)
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 # ------------------------------------------------------------------ field checks
@@ -330,7 +333,7 @@ def _plan(body: dict, served: Served, prompts: list[list[int]], chat: bool) -> P
         for j in range(n):
             submissions.append(Submission(ids, new, sampling, (seed + j) % SEEDS, stop_set))
     return Plan(chat, prompts, submissions, _stops(body), stream,
-                bool(options and options.get("include_usage")))
+                bool(options and options.get("include_usage")), frozenset(extra) - set(stops))
 
 
 def completion_plan(body: Any, served: Served) -> Plan:
@@ -362,14 +365,16 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def choice(self, index: int, text: str, finish: str | None, delta: bool = False,
-               first: bool = False) -> dict[str, Any]:
+               first: bool = False, stop_reason: int | str | None = None) -> dict[str, Any]:
+        """A choice, whole or (delta) a stream chunk's; stop_reason as vLLM gives it: the stop
+        string or stop id that ended the choice, null otherwise (eos included)."""
+        ends = {"finish_reason": finish, "stop_reason": stop_reason}
         if not self.chat:
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"index": index, "text": text, "logprobs": None, **ends}
         if not delta:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": finish}
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None, **ends}
         message = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": index, "delta": message, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": message, "logprobs": None, **ends}
 
     def response(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
         return {**self._head(self.object), "choices": choices, "usage": usage}

@@ -71,6 +71,7 @@ class _Run:
         self.ticket = Ticket(plan.submissions, lambda event: loop.call_soon_threadsafe(self.events.put_nowait, event))
         self.texts = [TextStream(served.tokenizer, plan.stops, s.stop_ids) for s in plan.submissions]
         self.finish: list[str | None] = [None] * len(plan.submissions)
+        self.reasons: list[int | str | None] = [None] * len(plan.submissions)  # each choice's stop_reason
 
     async def admit(self) -> None:
         """Submit every choice; a refusal is the client's error, naming the field."""
@@ -110,13 +111,16 @@ class _Run:
             self.finish[i] = "abort"
             raise EngineFailure("the server is shutting down: the request was cancelled when its shutdown "
                                 "timeout ran out", status=503)
-        text = self.texts[i].add(event.tokens, final=event.finish is not None)
-        if self.texts[i].stopped:
+        stream = self.texts[i]
+        text = stream.add(event.tokens, final=event.finish is not None)
+        if stream.stopped:
             if event.finish is None:
                 self.worker.cancel(self.ticket, i, reason="stop")
-            self.finish[i] = "stop"
+            self.finish[i], self.reasons[i] = "stop", stream.stop
         else:
             self.finish[i] = event.finish
+            if event.finish == "stop" and stream.ids and stream.ids[-1] in self.plan.stop_token_ids:
+                self.reasons[i] = stream.ids[-1]  # the engine keeps the stop id as the last token
         return i, text, self.finish[i]
 
     def cancel(self) -> None:
@@ -217,7 +221,8 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None,
             work.cancel()
             gone.cancel()
             run.cancel()
-        choices = [reply.choice(i, text.sent, finish) for i, (text, finish) in enumerate(zip(run.texts, run.finish))]
+        choices = [reply.choice(i, text.sent, finish, stop_reason=reason)
+                   for i, (text, finish, reason) in enumerate(zip(run.texts, run.finish, run.reasons))]
         return JSONResponse(reply.response(choices, run.usage()))
 
     async def stream(run: _Run, reply: Reply) -> AsyncIterator[str]:
@@ -229,7 +234,8 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None,
             while run.open:
                 got = await run.next()
                 if got is not None and (got[1] or got[2] is not None):
-                    yield _sse(reply.chunk([reply.choice(*got, delta=True)], None, with_usage))
+                    choice = reply.choice(*got, delta=True, stop_reason=run.reasons[got[0]])
+                    yield _sse(reply.chunk([choice], None, with_usage))
             if with_usage:
                 yield _sse(reply.chunk([], run.usage(), True))
         except EngineFailure as e:

@@ -35,6 +35,7 @@ class TextStream:
         self.ids: list[int] = []   # every token received, stop ids included
         self.sent = ""             # the text handed out so far
         self.stopped = False       # a stop string was found: the text is final
+        self.stop: str | None = None  # which (the earliest in the text)
         self.tokens_used = 0       # tokens the text comes from (up to the one completing the stop string)
         self._whole = 0            # leading tokens whose text is whole (ends on a character boundary)
         self._whole_text = ""      # their text
@@ -59,9 +60,9 @@ class TextStream:
         self.ids += tokens
         self.tokens_used = len(self.ids)
         text = self._text(len(self.ids))
-        found = [(i, len(s)) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
+        found = [(i, len(s), s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if found:
-            cut, length = min(found)
+            cut, length, self.stop = min(found)
             self.tokens_used = self._tokens_to(text[:cut + length])
             self.stopped, final, text = True, True, text[:cut]
         elif not text.endswith(REPLACEMENT):

@@ -324,14 +324,17 @@ def test_stop_strings_and_stop_ids_end_the_text(client, model, tokenizer):
     stop = full[len(full) // 2:len(full) // 2 + 4]  # four characters, likely across a token boundary
     cut = full.find(stop)
     kw = dict(model=NAME, prompt=PROMPTS[4], max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    # stop_reason as vLLM gives it: the stop string or stop id that ended the choice, else null
     got = client.completions.create(stop=[stop, "\x00never"], **kw).choices[0]
-    assert (got.text, got.finish_reason) == (full[:cut], "stop")
+    assert (got.text, got.finish_reason, got.stop_reason) == (full[:cut], "stop", stop)
     chunks = [c.choices[0] for c in client.completions.create(stop=stop, stream=True, **kw)]
     assert "".join(c.text for c in chunks) == full[:cut] and chunks[-1].finish_reason == "stop"
+    assert chunks[-1].stop_reason == stop and all(c.stop_reason is None for c in chunks[:-1])
     # the earliest of several stop strings wins
     early = full[2:5]
     got = client.completions.create(stop=[stop, early], **kw).choices[0]
     assert got.text == full[:min(cut, full.find(early))]
+    assert got.stop_reason == (early if full.find(early) < cut else stop)
     # a stop id ends generation after it, the id itself not shown
     tokens = specjax.generate(model, ids, max_new_tokens=40, stop_ids=(), speculative=LOOKUP).tokens
     stop_id = tokens[10]
@@ -339,6 +342,15 @@ def test_stop_strings_and_stop_ids_end_the_text(client, model, tokenizer):
     got = client.completions.create(model=NAME, prompt=ids, max_tokens=40, temperature=0,
                                     extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
     assert (got.choices[0].text, got.usage.completion_tokens, got.choices[0].finish_reason) == want
+    assert got.choices[0].stop_reason == stop_id
+    # eos ends this prompt at once: no stop_reason, even with eos among stop_token_ids (vLLM checks eos first)
+    ends = 'if __name__ == "__main__":\n    main()\n'
+    for extra in ({}, {"stop_token_ids": list(model.eos_ids)}):
+        got = client.completions.create(model=NAME, prompt=ends, max_tokens=8, temperature=0, extra_body=extra)
+        assert (got.choices[0].finish_reason, got.choices[0].stop_reason) == ("stop", None), extra
+    got = client.completions.create(model=NAME, prompt=ends, max_tokens=8, temperature=0,
+                                    extra_body={"stop_token_ids": list(model.eos_ids), "ignore_eos": True})
+    assert (got.choices[0].finish_reason, got.choices[0].stop_reason) == ("stop", model.eos_ids[0])
 
 
 BAD = [
