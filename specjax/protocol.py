@@ -96,6 +96,8 @@ class Plan:
     # the stop ids a choice's stop_reason names, as vLLM's: those asked for, less the eos
     # ids where eos stops (vLLM checks eos first and reports it as no stop_reason)
     stop_token_ids: frozenset[int] = frozenset()
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage so far
+    continuous_usage: bool = False
 
 
 # ------------------------------------------------------------------ field checks
@@ -313,11 +315,12 @@ def _plan(body: dict, served: Served, prompts: list[list[int]], chat: bool) -> P
     stop_set = tuple(sorted(set(stops) | set(extra)))
     stream = _boolean(body, "stream")
     options = body.get("stream_options")
-    if options is not None and (not stream or not isinstance(options, dict)
-                                or set(options) - {"include_usage"}
-                                or not isinstance(options.get("include_usage", False), bool)):
-        raise RequestError("stream_options must be {\"include_usage\": true|false}, and only with stream: true",
-                           "stream_options")
+    flags = ("include_usage", "continuous_usage_stats")
+    if options is not None and (not stream or not isinstance(options, dict) or set(options) - set(flags)
+                                or not all(isinstance(options.get(f, False), bool) for f in flags)):
+        raise RequestError("stream_options must be {\"include_usage\": true|false, \"continuous_usage_stats\": "
+                           "true|false}, and only with stream: true", "stream_options")
+    include_usage = bool(options and options.get("include_usage"))
     submissions = []
     for ids in prompts:
         room = served.max_len - len(ids)
@@ -333,7 +336,8 @@ def _plan(body: dict, served: Served, prompts: list[list[int]], chat: bool) -> P
         for j in range(n):
             submissions.append(Submission(ids, new, sampling, (seed + j) % SEEDS, stop_set))
     return Plan(chat, prompts, submissions, _stops(body), stream,
-                bool(options and options.get("include_usage")), frozenset(extra) - set(stops))
+                include_usage, frozenset(extra) - set(stops),
+                include_usage and bool(options.get("continuous_usage_stats")))
 
 
 def completion_plan(body: Any, served: Served) -> Plan:

@@ -227,15 +227,17 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None,
 
     async def stream(run: _Run, reply: Reply) -> AsyncIterator[str]:
         with_usage = run.plan.include_usage
+        so_far = run.usage if run.plan.continuous_usage else lambda: None  # a chunk's usage
         try:
             if run.plan.chat:  # OpenAI's first chunk of each choice names the role
                 for i in range(len(run.finish)):
-                    yield _sse(reply.chunk([reply.choice(i, "", None, delta=True, first=True)], None, with_usage))
+                    first = reply.choice(i, "", None, delta=True, first=True)
+                    yield _sse(reply.chunk([first], so_far(), with_usage))
             while run.open:
                 got = await run.next()
                 if got is not None and (got[1] or got[2] is not None):
                     choice = reply.choice(*got, delta=True, stop_reason=run.reasons[got[0]])
-                    yield _sse(reply.chunk([choice], None, with_usage))
+                    yield _sse(reply.chunk([choice], so_far(), with_usage))
             if with_usage:
                 yield _sse(reply.chunk([], run.usage(), True))
         except EngineFailure as e:

@@ -132,6 +132,13 @@ def test_greedy_completion_and_stream_equal_generate(client, url, model, tokeniz
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
     assert len(chunks) > 2 and not chunks[-1].choices and chunks[-1].usage.completion_tokens == count
+    assert all(c.usage is None for c in chunks[:-1])
+    # vLLM's continuous_usage_stats: every chunk says the usage so far, counting up to the total
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=48, temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    so_far = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage.prompt_tokens == len(ids) for c in chunks) and so_far == sorted(so_far)
+    assert so_far[-1] == count and so_far[-2] == count and 0 < so_far[0] < count
     models = client.models.list().data
     assert [m.id for m in models] == [NAME]
     assert httpx.get(f"{url}/health").status_code == 200
