@@ -474,3 +474,50 @@ def test_eval_prompts_no_held_out_file_can_give_are_refused_before_the_data(tmp_
     assert ("python -m train.dflash: error: --eval-prompts 1 / --eval-prompt-len 100000: no held-out file is long "
             "enough for completion prompts of 100000 tokens") in capsys.readouterr().err
     assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
+
+
+def test_out_may_not_be_the_target_or_another_model(tmp_path, capsys):
+    """--out receives exports that replace its weights and config.json: the --target folder
+    itself, or a folder holding another model, is refused before anything is written (the
+    target's files were replaced by the drafter's)."""
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(CHECKPOINTS / "tiny-code", target)
+    other = tmp_path / "other"
+    shutil.copytree(CHECKPOINTS / "tiny-code-draft", other)
+    before = {f: f.read_bytes() for f in [*target.iterdir(), *other.iterdir()]}
+    for out, said in ((target, "is the --target folder"), (other, "holds a model that is not a DFlash drafter")):
+        with pytest.raises(SystemExit) as exit_:
+            trainer.main(["--target", str(target), "--out", str(out), "--run", str(tmp_path / "run"),
+                          "--shards", str(tmp_path / "none")])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
+    assert {f: f.read_bytes() for f in [*target.iterdir(), *other.iterdir()]} == before
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_interrupted_stage_exits_130(tmp_path, monkeypatch, capsys):
+    """Ctrl-C / SIGTERM while the data are generated, or a training loop stopped by one
+    (saved, short of --steps), ends the stage with exit code 130 as a shell reports Ctrl-C,
+    so that `python -m train.dflash ... && next-stage` does not go on; they exited 0."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\nclass A:\nimport os\n")
+    argv = ["--target", str(CHECKPOINTS / "tiny-code"), "--out", str(tmp_path / "out"), "--run", str(tmp_path / "run"),
+            "--prompt-file", str(prompts), "--steps", "5"]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "generate_data", interrupted)
+    with pytest.raises(SystemExit) as exit_:
+        trainer.main(argv)
+    assert exit_.value.code == 130 and "interrupted: finished shards are kept" in capsys.readouterr().err
+    monkeypatch.setattr(trainer, "generate_data", lambda *a, **k: None)
+    for done, code in ((2, 130), (5, None)):
+        monkeypatch.setattr(trainer, "train", lambda *a, **k: {"step": done})
+        if code is None:
+            trainer.main(argv)
+        else:
+            with pytest.raises(SystemExit) as exit_:
+                trainer.main(argv)
+            assert exit_.value.code == code

@@ -56,7 +56,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -729,6 +731,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for flag, folder in (("--out", args.out), ("--run", run), ("--data", data_dir)):
         if folder.exists() and not folder.is_dir():
             p.error(f"{flag} {folder}: exists and is not a folder")
+    _check_out(p, args.out, args.target)
     try:
         if jax.process_index() > 0:  # process 0 generates the data and evaluates
             data, eval_prompts = share_data(None), []
@@ -746,13 +749,32 @@ def main(argv: Sequence[str] | None = None) -> None:
             data = generate_data(target, dc, data_dir, load_shard(shard) if shard.is_file() else None)
         if jax.process_index() == 0 and jax.process_count() > 1:
             data = share_data(data)
-    except KeyboardInterrupt:
-        print("interrupted: finished shards are kept; rerun to continue")
-        return
+    except KeyboardInterrupt:  # exit 130, as the shell reports Ctrl-C: `train.dflash ... && next` stops here
+        print("interrupted: finished shards are kept; rerun to continue", file=sys.stderr)
+        sys.exit(130)
     if args.data_only:
         print(f"{data_dir}: {len(data.tokens)} sequences of {data.tokens.shape[1]} tokens")
         return
-    train(target, cfg, tc, data, run, args.out, eval_prompts, args.init, mesh, compute)
+    done = train(target, cfg, tc, data, run, args.out, eval_prompts, args.init, mesh, compute)
+    if done["step"] < tc.steps:  # stopped by Ctrl-C / SIGTERM, saved: rerun to continue
+        sys.exit(130)
+
+
+def _check_out(p: argparse.ArgumentParser, out: Path, target: Path) -> None:
+    """--out receives the drafter's files whenever tau improves, replacing the weights and
+    config.json there: refused where that folder is the target or holds another model."""
+    if out.resolve() == target.resolve():
+        p.error(f"--out {out} is the --target folder: the drafter's export would replace the target's weights "
+                "and config.json; give the drafter a folder of its own")
+    config = out / "config.json"
+    if config.is_file():
+        try:
+            kinds = json.loads(config.read_text()).get("architectures")
+        except (ValueError, AttributeError):  # not JSON, or not an object
+            kinds = None
+        if kinds != [dflash.ARCHITECTURE]:
+            p.error(f"--out {out} holds a model that is not a DFlash drafter ({config}: architectures {kinds!r}), "
+                    "which the export would overwrite; give the drafter a folder of its own")
 
 
 if __name__ == "__main__":

@@ -470,6 +470,8 @@ def main(presets: dict[str, Qwen3Config], default: str, argv: Sequence[str] | No
         p.error(f"{args.data / MARKS_FILE} has {marks.size} marks for {train_tokens.size} tokens of "
                 f"{args.data / 'train.npy'}: rebuild the shards with python -m train.data")
     cfg = dataclasses.replace(presets[args.config], max_position_embeddings=tc.seq, eos_token_id=meta["eos_id"])
-    train(cfg, tc, train_tokens, load_shard(args.data / "heldout.npy"),
-          args.ckpt_dir or Path("runs") / args.config, args.export, args.tokenizer,
-          meta["heldout"]["bytes"] / meta["heldout"]["tokens"], args.init, marks)
+    done = train(cfg, tc, train_tokens, load_shard(args.data / "heldout.npy"),
+                 args.ckpt_dir or Path("runs") / args.config, args.export, args.tokenizer,
+                 meta["heldout"]["bytes"] / meta["heldout"]["tokens"], args.init, marks)
+    if done["step"] < tc.steps:  # stopped by Ctrl-C / SIGTERM, saved: exit 130, as a shell reports Ctrl-C
+        sys.exit(130)
