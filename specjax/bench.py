@@ -68,7 +68,7 @@ class BenchConfig:
 
     @classmethod
     def quick(cls, **kw) -> "BenchConfig":
-        """About two minutes on two CPU cores: one prompt, one repetition, fewer k."""
+        """One prompt, one repetition, fewer k: about ten minutes on two CPU cores."""
         base = dict(prompts=1, reps=1, ngram_ks=(2, 7), draft_ks=(2, 4), dflash_ks=(7, 15), new_tokens=96,
                     profile_ts=(1, 2, 4, 8, 16), llamacpp_ks=(4, 10))
         base.update(kw)

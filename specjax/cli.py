@@ -132,7 +132,8 @@ def _add_kv_dtype(p) -> None:
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate text, streaming it as it is produced")
-    p.add_argument("--model", type=Path, default=None, help="HF Qwen3 folder (default: checkpoints/tiny-code)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="HF Qwen3 folder (default: $SPECJAX_MODEL, else checkpoints/tiny-code)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
@@ -172,10 +173,11 @@ def _add_bench(sub) -> None:
     from .workloads import WORKLOADS
 
     p = sub.add_parser("bench", help="speedup per proposer and k, side by side with transformers")
-    p.add_argument("--model", type=Path, default=None, help="target folder (default: checkpoints/tiny-code)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="target folder (default: $SPECJAX_MODEL, else checkpoints/tiny-code)")
     p.add_argument("--draft", type=Path, default=None, help="draft model (default: checkpoints/tiny-code-draft if present)")
     p.add_argument("--dflash", type=Path, default=None, help="DFlash drafter (default: checkpoints/tiny-code-dflash if present)")
-    p.add_argument("--quick", action="store_true", help="about two minutes: one prompt, one repetition, fewer k")
+    p.add_argument("--quick", action="store_true", help="one prompt, one repetition, fewer k (about ten minutes on two cores)")
     p.add_argument("--prompts", type=_positive, help="prompts per workload")
     p.add_argument("--reps", type=_positive, help="timed repetitions per prompt (after one warm-up)")
     p.add_argument("--new-tokens", type=_positive, help="tokens generated per run")
@@ -206,7 +208,8 @@ def _add_bench(sub) -> None:
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server on the batched engine")
-    p.add_argument("--model", type=Path, default=None, help="HF Qwen3 folder (default: checkpoints/tiny-code)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="HF Qwen3 folder (default: $SPECJAX_MODEL, else checkpoints/tiny-code)")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API (default: the model folder's name)")
     p.add_argument("--host", default="127.0.0.1")
