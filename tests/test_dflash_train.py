@@ -175,6 +175,9 @@ def test_reply_lengths():
     seqs = np.array([[5, 0, 7, 8, 0, 0], [5, 6, 7, 8, 9, 1], [0, 0, 0, 0, 0, 0]])
     np.testing.assert_array_equal(reply_lengths(seqs, 2, (0,)), [5, 6, 3])
     np.testing.assert_array_equal(reply_lengths(seqs, np.array([1, 2, 5]), (0,)), [2, 6, 6])  # per-row starts
+    # replies of at most 2 tokens: rows 0 and 2 end at their eos; row 1's reply [6, 7] reached the limit and
+    # ends there, whatever follows (after a cut reply, eos padding the target never said)
+    np.testing.assert_array_equal(reply_lengths(seqs, np.array([1, 1, 2]), (0,), limit=2), [2, 3, 3])
 
 
 def test_data_are_the_targets_replies_and_resume(cyclic, data, tmp_path, monkeypatch):
@@ -521,3 +524,21 @@ def test_an_interrupted_stage_exits_130(tmp_path, monkeypatch, capsys):
             with pytest.raises(SystemExit) as exit_:
                 trainer.main(argv)
             assert exit_.value.code == code
+
+
+def test_a_reply_cut_at_response_len_has_no_eos_label(cyclic, tmp_path):
+    """The user's prompts are shorter than --prompt-len, so each row is padded with eos
+    after its reply; the cyclic target never says eos, so every reply is cut at
+    response_len and its valid length ends there: the padding eos is no label (it was: the
+    drafter learned an eos the target never said)."""
+    from train import prompts as user_prompts
+
+    target, succ = cyclic
+    rows = [user_prompts.Prompt("p", tuple(int(t) for t in np.arange(1, n + 1))) for n in (3, 7, 12)]
+    dc = dataclasses.replace(DC, prompt_len=16, response_len=8)
+    data = generate_data(target, dc, tmp_path, prompts=user_prompts.pad(rows, dc.prompt_len))
+    np.testing.assert_array_equal(data.starts, [3, 7, 12])
+    np.testing.assert_array_equal(data.lengths, data.starts + dc.response_len)
+    for row, start in zip(data.tokens, data.starts):
+        np.testing.assert_array_equal(row[start:start + 8], succ[row[start - 1:start + 7]])  # the walk, no eos
+        assert (row[start + 8:] == 0).all()  # then the eos padding, past the valid length

@@ -25,7 +25,8 @@ def test_shards_hold_prompt_and_reply_through_eos(tmp_path, rng):
                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, eos_token_id=eos)
     data = tmp_path / "data"
     data.mkdir()
-    (data / "meta.json").write_text(json.dumps({"prompt_len": prompt_len, "target": {"config": cfg.to_hf()}}))
+    (data / "meta.json").write_text(json.dumps({"prompt_len": prompt_len, "response_len": reply_len,
+                                                "target": {"config": cfg.to_hf()}}))
     seqs = rng.integers(1, 64, (n, prompt_len + reply_len)).astype(np.int32)
     stops = rng.integers(0, reply_len + 3, n)  # >= reply_len: the reply never stopped
     expected = []
@@ -53,7 +54,7 @@ def test_a_vocabulary_past_uint16_is_refused_not_wrapped(tmp_path):
                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, eos_token_id=151645)
     data = tmp_path / "data"
     data.mkdir()
-    (data / "meta.json").write_text(json.dumps({"prompt_len": 2, "target": {"config": cfg.to_hf()}}))
+    (data / "meta.json").write_text(json.dumps({"prompt_len": 2, "response_len": 3, "target": {"config": cfg.to_hf()}}))
     np.save(data / "seqs-00000.npy", np.array([[10, 20, 100000, 151000, 151645]], np.int32))
     with pytest.raises(SpecjaxError, match="151936 tokens does not fit uint16 shards"):
         distill.build(data, tmp_path / "out", TOKENIZER)

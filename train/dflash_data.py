@@ -200,7 +200,7 @@ def generate_data(target: specjax.Model, dc: DataConfig, folder: str | Path,
             engine = engine or specjax.Engine(target, max_batch=dc.gen_batch, max_len=dc.prompt_len + dc.response_len)
             seqs = sequences(engine, prompts[rows], dc.response_len, dc.sampling, dc.data_seed * n + rows)
             starts = (prompts[rows] >= 0).sum(axis=1)
-            generated += int((reply_lengths(seqs, starts, target.eos_ids) - starts).sum())
+            generated += int((reply_lengths(seqs, starts, target.eos_ids, dc.response_len) - starts).sum())
             bar.update(len(rows))
             bar.set_postfix_str(f"{generated / (time.perf_counter() - t0):.1f} reply tok/s (compiles included)")
             tmp = folder / f".seqs-{i:05d}.tmp.npy"
@@ -208,7 +208,7 @@ def generate_data(target: specjax.Model, dc: DataConfig, folder: str | Path,
             os.replace(tmp, _shard(folder, i))
     seqs = np.concatenate([np.load(_shard(folder, i)) for i in range(n_shards)])
     starts = (prompts >= 0).sum(axis=1).astype(np.int32)
-    return Sequences(seqs, reply_lengths(seqs, starts, target.eos_ids), starts)
+    return Sequences(seqs, reply_lengths(seqs, starts, target.eos_ids, dc.response_len), starts)
 
 
 def sequences(engine: specjax.Engine, prompts: np.ndarray, n_new: int, sampling: Sampling,
@@ -231,9 +231,14 @@ def sequences(engine: specjax.Engine, prompts: np.ndarray, n_new: int, sampling:
     return out
 
 
-def reply_lengths(seqs: np.ndarray, starts: np.ndarray | int, eos_ids: tuple[int, ...]) -> np.ndarray:
+def reply_lengths(seqs: np.ndarray, starts: np.ndarray | int, eos_ids: tuple[int, ...],
+                  limit: int | None = None) -> np.ndarray:
     """Valid length of each sequence [n]: through its reply's first eos (kept), else all;
-    row i's reply starts at starts[i] (or at `starts` for every row)."""
+    row i's reply starts at starts[i] (or at `starts` for every row). With `limit`, the
+    most tokens a reply has (the plan's response_len): a reply cut there ends there, the
+    eos after it being the padding `sequences` fills a shorter prompt's row with, which the
+    target never said."""
     starts = np.broadcast_to(np.asarray(starts), seqs.shape[:1])
     eos = np.isin(seqs, eos_ids) & (np.arange(seqs.shape[1]) >= starts[:, None])
-    return np.where(eos.any(axis=1), eos.argmax(axis=1) + 1, seqs.shape[1]).astype(np.int32)
+    n = np.where(eos.any(axis=1), eos.argmax(axis=1) + 1, seqs.shape[1])
+    return (n if limit is None else np.minimum(n, starts + limit)).astype(np.int32)

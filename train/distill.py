@@ -45,14 +45,15 @@ def build(data: Path, out: Path, tokenizer_dir: Path) -> dict:
     eos = eos_ids[0]
     prompts = data / "prompts.npy"  # -1 after a shorter prompt's end (the user's prompts)
     starts = (np.load(prompts) >= 0).sum(axis=1)[:len(seqs)] if prompts.is_file() else plan["prompt_len"]
-    lengths = reply_lengths(seqs, starts, (eos,))
+    lengths = reply_lengths(seqs, starts, eos_ids, plan["response_len"])
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     out.mkdir(parents=True, exist_ok=True)
     meta = {"source": str(data), "tokenizer": str(tokenizer_dir), "eos_id": eos}
     for name, rows in (("train", np.arange(len(seqs)) % HELDOUT_EVERY != 0),
                        ("heldout", np.arange(len(seqs)) % HELDOUT_EVERY == 0)):
         # a reply that ran to the length limit gets an eos appended, as documents are packed
-        docs = [seq[:n] if seq[n - 1] == eos else np.append(seq[:n], eos) for seq, n in zip(seqs[rows], lengths[rows])]
+        docs = [seq[:n] if seq[n - 1] in eos_ids else np.append(seq[:n], eos)
+                for seq, n in zip(seqs[rows], lengths[rows])]
         tokens = np.concatenate(docs).astype(np.uint16)
         text_bytes = sum(len(tokenizer.decode(d.tolist(), skip_special_tokens=False).encode()) for d in docs)
         np.save(out / f"{name}.npy", tokens)
