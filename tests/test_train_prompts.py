@@ -224,3 +224,24 @@ def test_the_tokenizers_own_mask_token_is_kept():
     assert trainer.mask_token_id(WithMask(), 101) == 3
     with pytest.raises(specjax.SpecjaxError, match=r"mask token '<\|mask\|>' \(id 3\) is outside .* of 3 rows"):
         trainer.mask_token_id(WithMask(), 3)
+
+
+def test_a_held_out_prompt_longer_than_prompt_len_is_refused_before_the_data(folder, tmp_path, capsys):
+    """Held-out prompts are checked against --prompt-len as the training ones are, naming
+    the file and line, before any reply is generated (they were evaluated, or failed at the
+    first evaluation naming neither)."""
+    from train import run
+
+    lines = ["w1 w2", "w3", "w4 w5", "w6"]
+    _, held = prompts.split([prompts.Prompt(str(i), (i,)) for i in range(4)], 0.25, 0)
+    long = int(held[0].where)
+    lines[long] = "w1 w2 w3 w4 w5 w6 w7"
+    path = tmp_path / "p.txt"
+    path.write_text("\n".join(lines) + "\n")
+    argv = ["--target", str(folder), "--prompt-file", str(path), "--out", str(tmp_path / "out"),
+            "--data", str(tmp_path / "data"), "--heldout-share", "0.25", "--prompt-len", "4"]
+    with pytest.raises(SystemExit) as exit_:
+        run(lambda: trainer.main(argv), "python -m train.dflash")
+    assert exit_.value.code == 2
+    assert f"{path}:{long + 1}: the prompt has 7 tokens, more than --prompt-len 4" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists() or not any((tmp_path / "data").glob("seqs-*.npy"))

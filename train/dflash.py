@@ -619,7 +619,9 @@ def _user_data(args: argparse.Namespace, target: specjax.Model, dc: DataConfig, 
     train_part, heldout = prompts.split(unique, heldout_share, dc.data_seed)
     print(f"{source}: {len(given)} prompts, {len(given) - len(unique)} duplicates dropped; "
           f"{len(train_part)} to train on, {len(heldout)} held out")
-    data = generate_data(target, dc, data_dir, prompts=prompts.pad(train_part, dc.prompt_len))
+    padded = prompts.pad(train_part, dc.prompt_len)
+    prompts.pad(heldout, dc.prompt_len)  # held-out prompts within --prompt-len too, before the data are made
+    data = generate_data(target, dc, data_dir, prompts=padded)
     return data, [("heldout", list(p.ids)) for p in heldout]
 
 
