@@ -344,6 +344,13 @@ def test_resuming_with_other_settings_is_refused_naming_the_flags(cyclic, data, 
             trainer.train(target, _cfg(target), dataclasses.replace(tc, **changed), data, tmp_path / "run")
     again = dataclasses.replace(tc, eval_every=7, log_every=3)  # bookkeeping may differ
     assert trainer.train(target, _cfg(target), again, data, tmp_path / "run")["step"] == 2
+    # another drafter config names the fields; --init, which starts a fresh run, is refused rather than ignored
+    wider = dflash.config_for(target.config, num_layers=2, block_size=2 * B, target_layer_ids=(0, 2),
+                              mask_token_id=100)
+    with pytest.raises(specjax.SpecjaxError, match=f"another drafter config \\(block_size {B} -> {2 * B}\\)"):
+        trainer.train(target, wider, tc, data, tmp_path / "run")
+    with pytest.raises(specjax.SpecjaxError, match="--init .*holds a run at step 2, which resumes"):
+        trainer.train(target, _cfg(target), tc, data, tmp_path / "run", init=tmp_path / "elsewhere")
 
 
 def test_bfloat16_compute_keeps_float32_master_state(cyclic, data, tmp_path):

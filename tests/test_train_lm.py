@@ -327,3 +327,26 @@ def test_evaluate_fits_a_short_context_or_names_the_part_that_cannot(tmp_path, c
     with pytest.raises(SystemExit) as exit_:
         evaluate.main(["--model", str(tmp_path), "--dtype", "float8"])
     assert exit_.value.code == 2 and "argument --dtype: invalid choice: 'float8'" in capsys.readouterr().err
+
+
+def test_resuming_with_other_settings_or_model_or_init_is_refused_naming_them(tmp_path):
+    """A checkpoint records its training settings: resuming under others (a learning rate,
+    batch, seed or length of another run), another model config, or with --init (which
+    starts a fresh run) is refused naming each, rather than mixed or ignored; bookkeeping
+    settings may differ. (All of these resumed silently.)"""
+    from specjax.errors import SpecjaxError
+
+    tc = dataclasses.replace(TC, steps=2, warmup=1, save_every_minutes=100)
+    train_tokens, heldout = _tokens(1, 4000), _tokens(2, 1000)
+    lm.train(CFG, tc, train_tokens, heldout, tmp_path / "run")
+    for changed, named in ((dict(lr=2e-2, batch=3), "--batch 2 -> 3, --lr 0.01 -> 0.02"),
+                           (dict(seed=7), "--seed 0 -> 7"), (dict(steps=4), "--steps 2 -> 4")):
+        with pytest.raises(SpecjaxError, match=f"other settings \\({named}\\)"):
+            lm.train(CFG, dataclasses.replace(tc, **changed), train_tokens, heldout, tmp_path / "run")
+    wider = dataclasses.replace(CFG, intermediate_size=96)
+    with pytest.raises(SpecjaxError, match="another model config \\(intermediate_size 64 -> 96\\)"):
+        lm.train(wider, tc, train_tokens, heldout, tmp_path / "run")
+    with pytest.raises(SpecjaxError, match="--init .*holds a run at step 2, which resumes"):
+        lm.train(CFG, tc, train_tokens, heldout, tmp_path / "run", init=tmp_path / "nowhere")
+    again = dataclasses.replace(tc, eval_every=7, eval_batches=2, save_every_minutes=1)
+    assert lm.train(CFG, again, train_tokens, heldout, tmp_path / "run")["step"] == 2

@@ -47,7 +47,7 @@ generation is best done so beforehand: the other processes would wait for it in 
 Resume: orbax checkpoints in ``<run>/orbax`` (``train.lm.Checkpoints``), saved every
 ``save_every_minutes``, on Ctrl-C / ``kill`` and at the end; the batch of step s is a
 pure function of (seed, s), so a resumed run continues exactly as an uninterrupted one.
-A checkpoint records its drafter config and training settings (:func:`check_resume`):
+A checkpoint records its drafter config and training settings (:func:`train.lm.check_resume`):
 resuming it with other flags (bookkeeping ones aside) is refused, naming them.
 """
 
@@ -458,7 +458,7 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     if step == 0:
         state = state_from_drafter(init, cfg, tc, target) if init else jax.jit(fresh, out_shardings=replicated)()
     else:  # restored straight onto the mesh, replicated like a fresh state
-        check_resume(run_dir, ckpts.record(), record)
+        lm.check_resume(run_dir, step, ckpts.record(), record, "drafter", "--run", init)
         state, record = ckpts.restore(jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), jax.eval_shape(fresh)))
         if lead:
@@ -522,20 +522,6 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
     finally:
         ckpts.close()
     return {"params": params, "opt_state": opt_state, "step": step}
-
-
-def check_resume(run_dir: Path, saved: dict, asked: dict) -> None:
-    """Refuse to resume the checkpoint record `saved` with the drafter config or training
-    settings of `asked` (train()'s record) where they differ, naming the flags: a mix would
-    train on silently. Records of runs from before the settings were kept lack "train"."""
-    if saved["drafter"] != asked["drafter"]:
-        raise dflash.DFlashError(f"{run_dir}: checkpoint is of another drafter config; use a fresh --run folder")
-    before = saved.get("train", asked["train"])
-    changed = [k for k in asked["train"] if before.get(k) != asked["train"][k]]
-    if changed:
-        flags = ", ".join(f"--{k.replace('_', '-')} {before.get(k)} -> {asked['train'][k]}" for k in changed)
-        raise dflash.DFlashError(f"{run_dir}: checkpoint was trained with other settings ({flags}); "
-                                 "resume with the same flags or use a fresh --run folder")
 
 
 def data_mesh(devices: int | None = None, tp: int = 1) -> Mesh:

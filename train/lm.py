@@ -71,6 +71,15 @@ class TrainConfig:
     reply_weight: float = 1.0   # loss weight of rename replies' copied tokens (train.data.REPLY)
     rename_weight: float = 1.0  # and of their new-name tokens (train.data.RENAMED)
 
+    def resume_key(self) -> dict[str, Any]:
+        """The settings a resumed run must share with its checkpoint's (recorded with it): all
+        but the bookkeeping ones, so that it goes on as an uninterrupted run would (steps
+        too: the learning-rate schedule spans them)."""
+        d = dataclasses.asdict(self)
+        for name in ("eval_every", "eval_batches", "save_every_minutes"):
+            d.pop(name)
+        return d
+
     def check_flags(self) -> None:
         """FlagError naming the flag of a value out of range (:func:`config_from_args`)."""
         check_ranges(self, positive=("lr", "clip"),
@@ -239,13 +248,12 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
 
     ckpts = Checkpoints(ckpt_dir)
     step = ckpts.latest_step() or 0
-    record = {"best_heldout_loss": None, "model": model_record}
+    record = {"best_heldout_loss": None, "model": model_record, "train": tc.resume_key()}
     if step == 0:
         state = initial_state(cfg, tc) if init is None else state_from_folder(Path(init), cfg, tc)
     else:
+        check_resume(ckpt_dir, step, ckpts.record(), record, "model", "--ckpt-dir", init)
         state, record = ckpts.restore(jax.eval_shape(initial_state, cfg, tc))
-        if record["model"] != model_record:
-            raise ValueError(f"{ckpt_dir}: checkpoint is of another model config; use a fresh --ckpt-dir")
         print(f"resumed from {ckpt_dir} at step {step}")
     params, opt_state = state["params"], state["opt_state"]
     n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -278,6 +286,32 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
     finally:
         ckpts.close()
     return {"params": params, "opt_state": opt_state, "step": step}
+
+
+def check_resume(run_dir: Path, step: int, saved: dict, asked: dict, model: str, fresh: str,
+                 init: Path | None = None) -> None:
+    """Refuse (FlagError) to resume the checkpoint record `saved` at `step` with the model
+    config (`saved[model]`) or training settings (`saved["train"]`) of `asked` where they
+    differ, naming the fields and flags (a mix would train on silently), and with `init`,
+    which starts a fresh run and would be ignored. `fresh`: the flag of a fresh run folder.
+    Records of runs from before the settings were kept lack "train"; their settings pass."""
+    if init is not None:
+        raise FlagError(f"--init {init}: {run_dir} holds a run at step {step}, which resumes; --init starts a "
+                        f"fresh run: drop it, or use a fresh {fresh} folder")
+    if model not in saved:
+        raise FlagError(f"{run_dir}: holds checkpoints of another kind of run (no {model} config); use a fresh "
+                        f"{fresh} folder")
+    differ = sorted(k for k in {*saved[model], *asked[model]} if saved[model].get(k) != asked[model].get(k))
+    if differ:
+        fields = ", ".join(f"{k} {saved[model].get(k)!r} -> {asked[model].get(k)!r}" for k in differ)
+        raise FlagError(f"{run_dir}: checkpoint is of another {model} config ({fields}); resume with the same "
+                        f"flags or use a fresh {fresh} folder")
+    before = saved.get("train", asked["train"])
+    changed = [k for k in asked["train"] if before.get(k) != asked["train"][k]]
+    if changed:
+        flags = ", ".join(f"{flag_name(k)} {before.get(k)} -> {asked['train'][k]}" for k in changed)
+        raise FlagError(f"{run_dir}: checkpoint was trained with other settings ({flags}); resume with the same "
+                        f"flags or use a fresh {fresh} folder")
 
 
 def append_metrics(directory: Path, row: dict) -> None:
