@@ -201,12 +201,20 @@ def test_data_are_the_targets_replies_and_resume(cyclic, data, tmp_path, monkeyp
     again = generate_data(target, DC, tmp_path)  # prompts.npy is there: no shard needed
     assert len(calls) == 2 + 2  # the killed call, then one call per remaining shard
     np.testing.assert_array_equal(again.tokens, data.tokens)
-    with pytest.raises(specjax.SpecjaxError, match="another plan, prompts or target"):  # a one-line CLI error
-        generate_data(target, dataclasses.replace(DC, response_len=40), tmp_path)
+    with pytest.raises(specjax.SpecjaxError, match="another plan, prompts or target .*: response_len differ"):
+        generate_data(target, dataclasses.replace(DC, response_len=40), tmp_path)  # a one-line CLI error
     retrained = dataclasses.replace(target, params={**target.params, "model.embed_tokens.weight":
                                                     1.5 * unpack_tree(target.params["model.embed_tokens.weight"])})
     with pytest.raises(ValueError, match="another plan, prompts or target"):
         generate_data(retrained, DC, tmp_path)
+    (tmp_path / "meta.json").unlink()  # what the folder was made for is lost: its data are not taken for another
+    with pytest.raises(specjax.SpecjaxError, match="holds prompts or sequences but no meta.json"):
+        generate_data(target, dataclasses.replace(DC, data_seed=5), tmp_path)
+    # lengths past the target's context are refused by flag before anything is written
+    longer = dataclasses.replace(DC, prompt_len=4000, response_len=200)
+    with pytest.raises(specjax.SpecjaxError, match="--prompt-len 4000 \\+ --response-len 200 exceeds"):
+        generate_data(target, longer, tmp_path / "fresh")
+    assert not (tmp_path / "fresh").exists()
 
 
 @pytest.mark.parametrize("sampling", [specjax.Sampling(), specjax.Sampling(temperature=0.8, top_k=20, top_p=0.9)],

@@ -178,15 +178,24 @@ def generate_data(target: specjax.Model, dc: DataConfig, folder: str | Path,
         raise ValueError(f"target {target.path} has no eos_token_id: replies could not stop or be padded")
     if prompts is not None and prompts.shape[1] != dc.prompt_len:
         raise ValueError(f"prompts are {prompts.shape[1]} tokens wide, the plan's prompt_len is {dc.prompt_len}")
+    longest = target.config.max_position_embeddings
+    if dc.prompt_len + dc.response_len > longest:  # before anything is written, which a fixed rerun would meet
+        raise lm.FlagError(f"--prompt-len {dc.prompt_len} + --response-len {dc.response_len} exceeds the target's "
+                           f"context of {longest} tokens (max_position_embeddings)")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     plan = json.loads(json.dumps(dc.plan(target, prompts)))  # as it reads back
     meta = folder / "meta.json"
     if meta.is_file():
-        if json.loads(meta.read_text()) != plan:
-            raise SpecjaxError(f"{folder}: holds data of another plan, prompts or target ({meta}); "
-                               "use a fresh --data folder")
+        held = json.loads(meta.read_text())
+        if held != plan:
+            differ = ", ".join(sorted(k for k in {*held, *plan} if held.get(k) != plan.get(k)))
+            raise SpecjaxError(f"{folder}: holds data of another plan, prompts or target ({meta}: {differ} "
+                               "differ); use a fresh --data folder")
     else:
+        if (folder / "prompts.npy").is_file() or any(folder.glob("seqs-*.npy")):
+            raise SpecjaxError(f"{folder}: holds prompts or sequences but no meta.json, so nothing says what "
+                               "they were made for; use a fresh --data folder")
         meta.write_text(json.dumps(plan, indent=2) + "\n")
     prompts = _prompts(folder, dc, target, train_tokens, prompts)
     n = len(prompts)
