@@ -407,7 +407,8 @@ def test_init_starts_from_a_saved_drafter(cyclic, data, tmp_path):
         out = trainer.train(target, asked, tc, data, tmp_path / run, init=tmp_path / "saved")
         assert_trees_equal(out["params"], saved.params)
     deeper = dataclasses.replace(cfg, num_hidden_layers=3)
-    with pytest.raises(ValueError, match="--init drafter differs"):
+    differs = "the drafter differs from the one asked for \\(.*num_hidden_layers 2 -> 3"
+    with pytest.raises(specjax.SpecjaxError, match=differs):
         trainer.train(target, deeper, tc, data, tmp_path / "run2", init=tmp_path / "saved")
 
 

@@ -59,3 +59,16 @@ def test_a_vocabulary_past_uint16_is_refused_not_wrapped(tmp_path):
     with pytest.raises(SpecjaxError, match="151936 tokens does not fit uint16 shards"):
         distill.build(data, tmp_path / "out", TOKENIZER)
     assert not (tmp_path / "out").exists()
+
+
+def test_fewer_than_two_sequences_are_refused(tmp_path):
+    """The first sequence (every 20th) is held out: one sequence leaves the training part
+    empty, refused naming the folder (a NumPy error before)."""
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, eos_token_id=0)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "meta.json").write_text(json.dumps({"prompt_len": 2, "response_len": 3, "target": {"config": cfg.to_hf()}}))
+    np.save(data / "seqs-00000.npy", np.array([[10, 20, 30, 40, 0]], np.int32))
+    with pytest.raises(SpecjaxError, match=f"{data}: 1 sequence\\(s\\); a train and a held-out part need at least 2"):
+        distill.build(data, tmp_path / "out", TOKENIZER)

@@ -350,3 +350,20 @@ def test_resuming_with_other_settings_or_model_or_init_is_refused_naming_them(tm
         lm.train(CFG, tc, train_tokens, heldout, tmp_path / "run", init=tmp_path / "nowhere")
     again = dataclasses.replace(tc, eval_every=7, eval_batches=2, save_every_minutes=1)
     assert lm.train(CFG, again, train_tokens, heldout, tmp_path / "run")["step"] == 2
+
+
+def test_a_short_shard_and_a_checkpoint_missing_its_state_are_named(tmp_path):
+    """A training shard with no window of --seq + 1 tokens names --seq (it failed deep in
+    NumPy); a latest checkpoint whose state files are gone names its folder (orbax's
+    KeyError before)."""
+    import shutil
+
+    from specjax.errors import SpecjaxError
+
+    tc = dataclasses.replace(TC, steps=2, warmup=1, save_every_minutes=100)
+    with pytest.raises(SpecjaxError, match="--seq 16: the training shard has 10 tokens"):
+        lm.train(CFG, tc, _tokens(1, 10), _tokens(2, 1000), tmp_path / "short")
+    lm.train(CFG, tc, _tokens(1, 4000), _tokens(2, 1000), tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "orbax" / "2" / "state")
+    with pytest.raises(SpecjaxError, match=r"orbax/2: the checkpoint of step 2 lacks .*remove that step's folder"):
+        lm.train(CFG, tc, _tokens(1, 4000), _tokens(2, 1000), tmp_path / "run")

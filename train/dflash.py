@@ -340,14 +340,17 @@ def state_from_drafter(folder: Path, cfg: DFlashConfig, tc: DFlashTrainConfig, t
     saved = dflash.load_dflash(folder, target, jnp.float32, markov=tc.markov_rank > 0)
     # no weight depends on the block size, so a drafter may continue at another one
     if dataclasses.replace(saved.config, block_size=cfg.block_size) != cfg:
-        raise ValueError(f"{folder}: --init drafter differs from the one asked for: {saved.config} vs {cfg}")
+        have, want = saved.config.to_hf(), cfg.to_hf()
+        differ = ", ".join(f"{k} {have.get(k)!r} -> {want.get(k)!r}" for k in sorted({*have, *want})
+                           if k != "block_size" and have.get(k) != want.get(k))
+        raise lm.FlagError(f"--init {folder}: the drafter differs from the one asked for ({differ})")
     params = checkpoint.stack(saved.params, dflash.DRAFT_LAYERS)
     if tc.markov_rank:
         if dflash.MARKOV not in params:
             params[dflash.MARKOV] = initial_state(cfg, tc)["params"][dflash.MARKOV]
         elif params[dflash.MARKOV]["w1"].shape[1] != tc.markov_rank:
-            raise ValueError(f"{folder}: its Markov head has rank {params[dflash.MARKOV]['w1'].shape[1]}, "
-                             f"--markov-rank asks for {tc.markov_rank}")
+            raise lm.FlagError(f"--init {folder}: its Markov head has rank {params[dflash.MARKOV]['w1'].shape[1]}, "
+                               f"--markov-rank asks for {tc.markov_rank}")
     if jax.process_index() == 0:
         print(f"initialised from {folder}")
     return {"params": params, "opt_state": make_optimizer(tc).init(params)}

@@ -123,8 +123,8 @@ def _edit_tails(tokenizer: Any, rng: random.Random, longest: int, tries: int = 2
                 yield ids
                 break
         else:
-            raise ValueError(f"no rename-edit prompt of {tries} fits in {longest} tokens; "
-                             "raise --prompt-len or set --edit-share 0")
+            raise SpecjaxError(f"no rename-edit prompt of {tries} fits in {longest} tokens; "
+                               "raise --prompt-len or set --edit-share 0")
 
 
 def make_prompts(train_tokens: np.ndarray, n: int, prompt_len: int, edit_share: float = 0.0,
@@ -160,7 +160,7 @@ def _prompts(folder: Path, dc: DataConfig, target: specjax.Model, train_tokens: 
         return np.load(path)
     if prompts is None:
         if train_tokens is None:
-            raise ValueError(f"{folder}: no prompts.npy yet; pass the training token shard or the user's prompts")
+            raise SpecjaxError(f"{folder}: no prompts.npy yet; pass the training token shard or the user's prompts")
         prompts = make_prompts(train_tokens, dc.prompts, dc.prompt_len, dc.edit_share, target.tokenizer, dc.data_seed)
     np.save(path, prompts)
     return prompts
@@ -175,7 +175,7 @@ def generate_data(target: specjax.Model, dc: DataConfig, folder: str | Path,
     only when prompts.npy is not there yet.
     """
     if not target.eos_ids:
-        raise ValueError(f"target {target.path} has no eos_token_id: replies could not stop or be padded")
+        raise SpecjaxError(f"target {target.path} has no eos_token_id: replies could not stop or be padded")
     if prompts is not None and prompts.shape[1] != dc.prompt_len:
         raise ValueError(f"prompts are {prompts.shape[1]} tokens wide, the plan's prompt_len is {dc.prompt_len}")
     longest = target.config.max_position_embeddings

@@ -33,7 +33,7 @@ def build(data: Path, out: Path, tokenizer_dir: Path) -> dict:
     plan = json.loads((data / "meta.json").read_text())
     shards = sorted(data.glob("seqs-*.npy"))
     if not shards:
-        raise ValueError(f"{data}: no seqs-*.npy shards (generate them with python -m train.dflash)")
+        raise SpecjaxError(f"{data}: no seqs-*.npy shards (generate them with python -m train.dflash)")
     seqs = np.concatenate([np.load(f) for f in shards])
     target = Qwen3Config.from_hf(plan["target"]["config"])
     if target.vocab_size > np.iinfo(np.uint16).max + 1:  # shards are uint16 (train.data, train.lm)
@@ -41,7 +41,9 @@ def build(data: Path, out: Path, tokenizer_dir: Path) -> dict:
                            f"fit uint16 shards (at most {np.iinfo(np.uint16).max + 1})")
     eos_ids = target.eos_ids
     if not eos_ids:
-        raise ValueError(f"{data / 'meta.json'}: the target has no eos_token_id")
+        raise SpecjaxError(f"{data / 'meta.json'}: the target has no eos_token_id")
+    if len(seqs) < 2:  # every HELDOUT_EVERY-th, the first included, is held out: both parts need one
+        raise SpecjaxError(f"{data}: {len(seqs)} sequence(s); a train and a held-out part need at least 2")
     eos = eos_ids[0]
     prompts = data / "prompts.npy"  # -1 after a shorter prompt's end (the user's prompts)
     starts = (np.load(prompts) >= 0).sum(axis=1)[:len(seqs)] if prompts.is_file() else plan["prompt_len"]

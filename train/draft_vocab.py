@@ -21,6 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from specjax.dflash import VOCAB_FILE, DFlashConfig, check_vocab
+from specjax.errors import SpecjaxError
 from train import corpus
 from train.lm import positive_int
 
@@ -34,8 +35,8 @@ def token_counts(tokenizer: Any, documents: Iterable[str], vocab_size: int, char
             doc = doc[:chars - seen]
             ids = np.asarray(tokenizer(doc)["input_ids"], np.int64)
             if ids.size and ids.max() >= vocab_size:
-                raise ValueError(f"the tokenizer gives id {int(ids.max())}, beyond the drafter's vocab_size "
-                                 f"{vocab_size}: it is not the target's tokenizer")
+                raise SpecjaxError(f"the tokenizer gives id {int(ids.max())}, beyond the drafter's vocab_size "
+                                   f"{vocab_size}: it is not the target's tokenizer")
             counts += np.bincount(ids, minlength=vocab_size)
             seen += len(doc)
             bar.update(len(doc))
@@ -47,7 +48,7 @@ def token_counts(tokenizer: Any, documents: Iterable[str], vocab_size: int, char
 def most_frequent(counts: np.ndarray, size: int, always: Sequence[int] = ()) -> np.ndarray:
     """The `size` ids with the largest counts (ties: the smaller id), plus `always`, sorted."""
     if not 1 <= size <= counts.size:
-        raise ValueError(f"--size must be in [1, {counts.size}] (the vocabulary), got {size}")
+        raise SpecjaxError(f"--size must be in [1, {counts.size}] (the vocabulary), got {size}")
     order = np.lexsort((np.arange(counts.size), -counts))  # by count descending, then id
     return np.unique(np.concatenate([order[:size], np.asarray(always, np.int64)])).astype(np.int32)
 

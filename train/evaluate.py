@@ -21,7 +21,7 @@ import optax
 import specjax
 from specjax import cpu_kernels, qwen3
 from specjax import edits
-from specjax.errors import PromptError
+from specjax.errors import PromptError, SpecjaxError
 from specjax.model import COMPUTE_DTYPES, TOKENIZER_FILES
 from specjax.workloads import Prompt, completion_prompts, edit_prompts
 from train import corpus
@@ -35,7 +35,7 @@ def heldout_loss(model: specjax.Model, tokens: np.ndarray, seq: int = HELDOUT_WI
     """Mean next-token cross-entropy (nats) over evenly spaced held-out windows of `seq`
     tokens (at most the model's context)."""
     if seq > model.config.max_position_embeddings:
-        raise ValueError(f"held-out windows of {seq} tokens exceed the model's context "
+        raise SpecjaxError(f"held-out windows of {seq} tokens exceed the model's context "
                          f"({model.config.max_position_embeddings})")
     starts = np.linspace(0, len(tokens) - seq - 2, windows).astype(int)
     losses = []

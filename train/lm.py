@@ -45,6 +45,7 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from specjax import checkpoint, qwen3
+from specjax.checkpoint import CheckpointError
 from specjax.config import Qwen3Config
 from specjax.errors import SpecjaxError
 from specjax.runtime import enable_compilation_cache
@@ -150,6 +151,13 @@ def eval_windows(tokens: np.ndarray, tc: TrainConfig) -> np.ndarray:
     return chunks[pick].reshape(n, tc.batch, tc.seq + 1)
 
 
+def check_train_shard(tokens: np.ndarray, tc: TrainConfig) -> None:
+    """A training shard must hold a window of --seq + 1 tokens (batches are random ones)."""
+    if tokens.size <= tc.seq:
+        raise FlagError(f"--seq {tc.seq}: the training shard has {tokens.size} tokens, no window of {tc.seq + 1}; "
+                        "lower --seq or build a larger shard")
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def initial_state(cfg: Qwen3Config, tc: TrainConfig) -> dict:
     """Fresh {"params", "opt_state"} (one compiled program, cached per config)."""
@@ -203,14 +211,21 @@ class Checkpoints:
 
     def record(self) -> dict:
         """The latest checkpoint's JSON record alone (read before the state, whose shape it may decide)."""
-        step = self.manager.latest_step()
-        return self.manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore())).record
+        return self._restore(record=ocp.args.JsonRestore()).record
 
     def restore(self, abstract_state: dict) -> tuple[dict, dict]:
-        step = self.manager.latest_step()
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), record=ocp.args.JsonRestore()))
+        out = self._restore(state=ocp.args.StandardRestore(abstract_state), record=ocp.args.JsonRestore())
         return out.state, out.record
+
+    def _restore(self, **items: Any) -> Any:
+        """The latest step's `items`; a step folder that lacks one (a save cut off, files
+        removed) is a CheckpointError naming it."""
+        step = self.manager.latest_step()
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(**items))
+        except KeyError as e:
+            raise CheckpointError(f"{self.manager.directory / str(step)}: the checkpoint of step {step} lacks {e}; "
+                                  "remove that step's folder to resume from the one before") from None
 
     def close(self) -> None:
         self.manager.close()
@@ -243,6 +258,7 @@ def train(cfg: Qwen3Config, tc: TrainConfig, train_tokens: np.ndarray, heldout_t
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     train_step = make_train_step(cfg, tc)
+    check_train_shard(train_tokens, tc)
     heldout = eval_windows(heldout_tokens, tc)
     model_record = cfg.to_hf()
 
