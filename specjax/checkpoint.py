@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -379,20 +380,30 @@ def lossless_dtype(tensors: dict[str, Any]) -> str:
     return "float32"
 
 
+def save_safetensors(tensors: dict[str, Any], path: Path) -> None:
+    """safetensors' save_file, the file then given the permissions any new file gets here
+    (safetensors 0.8 writes it private, 0600: a model saved into a shared folder could not
+    be read by the others who may read its config and tokenizer)."""
+    from safetensors.flax import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def write_tensors(folder: str | Path, tensors: dict[str, Any], dtype: str | None = None,
                   max_shard_bytes: int | None = None) -> str:
     """Write a flat name -> array dict as model.safetensors, or shards plus an index, in
     place of any weights a previous save left in the folder; dtype None: `lossless_dtype`.
     Returns the dtype written."""
-    from safetensors.flax import save_file
-
     dtype = lossless_dtype(tensors) if dtype is None else save_dtype(dtype)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     arrays = {k: jnp.asarray(v).astype(dtype) for k, v in sorted(tensors.items())}
     _remove_weights(folder)
     if max_shard_bytes is None:
-        save_file(arrays, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(arrays, folder / "model.safetensors")
         return dtype
     shards: list[dict[str, Any]] = [{}]
     size = 0
@@ -405,7 +416,7 @@ def write_tensors(folder: str | Path, tensors: dict[str, Any], dtype: str | None
     weight_map = {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        save_safetensors(shard, folder / fname)
         weight_map.update({name: fname for name in shard})
     total = sum(a.nbytes for a in arrays.values())
     (folder / "model.safetensors.index.json").write_text(

@@ -421,9 +421,7 @@ def save_dflash(drafter: Drafter, path: str | Path, dtype: str | None = None) ->
     else:
         (folder / VOCAB_FILE).unlink(missing_ok=True)
     if head:
-        from safetensors.flax import save_file
-
-        save_file({k: jnp.asarray(v).astype(dtype) for k, v in head.items()}, str(folder / MARKOV_FILE))
+        checkpoint.save_safetensors({k: jnp.asarray(v).astype(dtype) for k, v in head.items()}, folder / MARKOV_FILE)
     else:
         (folder / MARKOV_FILE).unlink(missing_ok=True)
 

@@ -88,6 +88,16 @@ def default_dtype() -> Any:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a folder with either has a tokenizer
 # the JSON files transformers reads for one, searched for the culprit when it fails
 TOKENIZER_JSON = (*TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json")
+# every file transformers may read a tokenizer from: a save replacing one removes them all first,
+# so none of another model's (a chat template, added tokens) stays behind to take effect
+TOKENIZER_ALL = (*TOKENIZER_JSON, "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
+                 "tokenizer.model")
+
+
+def remove_tokenizer(folder: Path) -> None:
+    """Delete the tokenizer files (TOKENIZER_ALL) in `folder`, before another is written there."""
+    for name in TOKENIZER_ALL:
+        (Path(folder) / name).unlink(missing_ok=True)
 
 
 def _load_tokenizer(folder: Path) -> Any:
@@ -285,6 +295,8 @@ def save(model: Model, path: str | Path, dtype: str | None = None, max_shard_byt
     generation = generation_file(model)  # read before the save: `path` may be the folder it came from
     checkpoint.save(path, model.params, model.config, dtype, max_shard_bytes)
     if model.tokenizer is not None:
+        if model.path is None or Path(model.path).resolve() != Path(path).resolve():
+            remove_tokenizer(Path(path))
         model.tokenizer.save_pretrained(str(path))
     gen = Path(path) / "generation_config.json"
     if generation:

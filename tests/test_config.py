@@ -389,3 +389,25 @@ def test_layers_are_fused_and_finished_as_they_arrive(rng, attention_bias):
     again = checkpoint.layers_from_hf(stream(shuffled), cfg)
     for a, b in zip(params["model.layers"], again["model.layers"]):
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_save_over_another_model_leaves_none_of_its_tokenizer(tmp_path):
+    """Tokenizer files another model left in the folder (a chat template, added tokens) are
+    removed before the model's own are written: transformers would read them and load a
+    tokenizer that is neither (specjax.save and train.lm's export alike)."""
+    from transformers import AutoTokenizer
+
+    from train import lm
+
+    shipped = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-code"
+    model = specjax.load(shipped)
+    for name, write in (("save", lambda out: specjax.save(model, out)),
+                        ("export", lambda out: lm.export(out, model.params, model.config, shipped))):
+        out = tmp_path / name
+        out.mkdir()
+        (out / "chat_template.jinja").write_text("{{ 'another model' }}")
+        (out / "added_tokens.json").write_text(json.dumps({"<|other|>": 9000}))
+        write(out)
+        assert not (out / "chat_template.jinja").exists() and not (out / "added_tokens.json").exists()
+        tok = AutoTokenizer.from_pretrained(str(out))
+        assert len(tok) == len(model.tokenizer) and tok.chat_template is None

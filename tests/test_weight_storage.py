@@ -142,6 +142,13 @@ def test_a_float32_checkpoint_saves_back_in_float32_and_a_16_bit_request_rounds(
         torch_rounded = torch.from_numpy(want).to(torch.bfloat16).view(torch.int16).numpy()
         np.testing.assert_array_equal(rounded.view(np.int16), torch_rounded, err_msg=name)
     assert json.loads((tmp_path / "default" / "config.json").read_text())["torch_dtype"] == "float32"
+    # readable as any new file is here (safetensors writes its files 0600), as config.json is
+    import os
+    for name in ("model.safetensors", "config.json"):
+        mode = (tmp_path / "default" / name).stat().st_mode & 0o777
+        mask = os.umask(0)
+        os.umask(mask)
+        assert mode == 0o666 & ~mask, (name, oct(mode))
 
 
 def test_float32_on_request_and_16_bit_compute_are_not_packed_16(tmp_path):

@@ -47,6 +47,7 @@ from tqdm import tqdm
 from specjax import checkpoint, qwen3
 from specjax.checkpoint import CheckpointError
 from specjax.config import Qwen3Config
+from specjax.model import remove_tokenizer
 from specjax.errors import SpecjaxError
 from specjax.runtime import enable_compilation_cache
 from train.data import MARKS_FILE, PLAIN, RENAMED, REPLY, load_shard, random_batches
@@ -234,6 +235,8 @@ class Checkpoints:
 def export(out: Path, params: Any, cfg: Qwen3Config, tokenizer_dir: Path | None) -> None:
     """A complete HF model folder: config, bf16 weights, tokenizer, generation config."""
     checkpoint.save(out, params, cfg, dtype="bfloat16")
+    if tokenizer_dir and Path(tokenizer_dir).resolve() != Path(out).resolve():
+        remove_tokenizer(Path(out))  # another model's files (a chat template, added tokens) would take effect
     for name in TOKENIZER_FILES if tokenizer_dir else ():
         src = Path(tokenizer_dir) / name
         if src.is_file() and src.resolve() != (Path(out) / name).resolve():
