@@ -7,7 +7,8 @@ drafter training (`python -m train.dflash --prompt-file FILE` or `--prompt-dir D
   (with the assistant's turn opened; `specjax.chat`); a plain prompt is tokenized as it is, or as one
   user message with ``chat=True`` (``--chat``).
 - Plain text: one prompt per line; blank lines separate nothing and are skipped.
-- A folder: every regular, non-hidden file is one prompt (its whole text), by sorted name.
+- A folder: every regular file in it or its subfolders is one prompt (its whole text), by
+  sorted path; hidden files and folders (a name starting with ".", such as .git) are left out.
 
 Files are UTF-8 (a leading byte-order mark is dropped; CRLF and CR end lines as LF does);
 lines end only at those, not at the other characters `str.splitlines` breaks at (form
@@ -132,11 +133,13 @@ def read_prompt_file(path: str | Path, tokenizer: Any, chat: bool = False,
 
 
 def read_prompt_dir(path: str | Path, tokenizer: Any, chat: bool = False) -> list[Prompt]:
-    """One prompt per regular, non-hidden file of the folder (its whole text), by name."""
+    """One prompt per regular file of the folder and its subfolders (its whole text), by
+    path, less hidden ones (module docstring)."""
     path = Path(path)
     if not path.is_dir():
         raise PromptError(f"--prompt-dir {path}: not a directory")
-    files = sorted(f for f in path.iterdir() if f.is_file() and not f.name.startswith("."))
+    files = sorted(f for f in path.rglob("*")
+                   if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts))
     if not files:
         raise PromptError(f"{path}: no prompt files")
     return [tokenize(read_text(f), tokenizer, chat, str(f)) for f in files]

@@ -122,7 +122,12 @@ def test_plain_lines_dirs_and_chat_flag(target, tmp_path):
     (d / "b.txt").write_text("w7\nw8")
     (d / "a.txt").write_text("w6")
     (d / ".hidden").write_text("w9")
-    assert [p.where for p in prompts.read_prompt_dir(d, tok)] == [str(d / "a.txt"), str(d / "b.txt")]
+    (d / "sub" / "deep").mkdir(parents=True)  # subfolders are read too, hidden ones (.git) are not
+    (d / "sub" / "deep" / "c.txt").write_text("w1")
+    (d / ".git").mkdir()
+    (d / ".git" / "HEAD").write_text("w2")
+    assert [p.where for p in prompts.read_prompt_dir(d, tok)] == [str(d / "a.txt"), str(d / "b.txt"),
+                                                                  str(d / "sub" / "deep" / "c.txt")]
 
 
 def test_dedupe_and_split():

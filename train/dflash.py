@@ -605,7 +605,10 @@ def _user_data(args: argparse.Namespace, target: specjax.Model, dc: DataConfig, 
     read = prompts.read_prompt_file if args.prompt_file else prompts.read_prompt_dir
     given = read(source, target.tokenizer, args.chat)
     unique = prompts.dedupe(given)
-    train_part, heldout = prompts.split(unique, heldout_share, dc.data_seed)
+    try:
+        train_part, heldout = prompts.split(unique, heldout_share, dc.data_seed)
+    except PromptError as e:
+        raise PromptError(f"{source}: {e}") from None
     print(f"{source}: {len(given)} prompts, {len(given) - len(unique)} duplicates dropped; "
           f"{len(train_part)} to train on, {len(heldout)} held out")
     padded = prompts.pad(train_part, dc.prompt_len)

@@ -59,7 +59,8 @@ def coverage(counts: np.ndarray, ids: np.ndarray) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m train.draft_vocab", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--drafter", type=Path, required=True, help="DFlash drafter folder (draft_vocab.json goes here)")
     p.add_argument("--target", type=Path, default=Path("checkpoints/tiny-code"),
                    help="the target folder whose tokenizer counts the corpus")
