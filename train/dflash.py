@@ -511,6 +511,9 @@ def train(target: specjax.Model, cfg: DFlashConfig, tc: DFlashTrainConfig, data:
         if record["best_tau"] is None or row["tau"] > record["best_tau"]:
             record["best_tau"] = row["tau"]
             if out_dir:
+                if (Path(out_dir) / dflash.VOCAB_FILE).is_file():  # the export describes this drafter, which has none
+                    tqdm.write(f"{out_dir}: {dflash.VOCAB_FILE} removed by the export (a vocabulary of another "
+                               "drafter); run python -m train.draft_vocab again once training ends")
                 dflash.save_dflash(drafter, out_dir, dtype="bfloat16")  # the published format
                 row["exported"] = str(out_dir)
         lm.append_metrics(run_dir, row)
