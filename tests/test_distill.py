@@ -47,15 +47,21 @@ def test_shards_hold_prompt_and_reply_through_eos(tmp_path, rng):
         np.testing.assert_array_equal(doc, expected[i])
 
 
-def test_a_vocabulary_past_uint16_is_refused_not_wrapped(tmp_path):
-    """A target of Qwen3's 151936 tokens: its ids would wrap in the uint16 shards (100000
-    became 34464), so the build refuses before writing anything."""
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, eos_token_id=151645)
+def _one_shard(tmp_path, vocab_size: int, eos: int, row: list[int]):
+    """A data folder of one sequence (2 prompt tokens, a reply of up to 3) for a small target."""
+    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, eos_token_id=eos)
     data = tmp_path / "data"
     data.mkdir()
     (data / "meta.json").write_text(json.dumps({"prompt_len": 2, "response_len": 3, "target": {"config": cfg.to_hf()}}))
-    np.save(data / "seqs-00000.npy", np.array([[10, 20, 100000, 151000, 151645]], np.int32))
+    np.save(data / "seqs-00000.npy", np.array([row], np.int32))
+    return data
+
+
+def test_a_vocabulary_past_uint16_is_refused_not_wrapped(tmp_path):
+    """A target of Qwen3's 151936 tokens: its ids would wrap in the uint16 shards (100000
+    became 34464), so the build refuses before writing anything."""
+    data = _one_shard(tmp_path, 151936, 151645, [10, 20, 100000, 151000, 151645])
     with pytest.raises(SpecjaxError, match="151936 tokens does not fit uint16 shards"):
         distill.build(data, tmp_path / "out", TOKENIZER)
     assert not (tmp_path / "out").exists()
@@ -64,11 +70,6 @@ def test_a_vocabulary_past_uint16_is_refused_not_wrapped(tmp_path):
 def test_fewer_than_two_sequences_are_refused(tmp_path):
     """The first sequence (every 20th) is held out: one sequence leaves the training part
     empty, refused naming the folder (a NumPy error before)."""
-    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, eos_token_id=0)
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "meta.json").write_text(json.dumps({"prompt_len": 2, "response_len": 3, "target": {"config": cfg.to_hf()}}))
-    np.save(data / "seqs-00000.npy", np.array([[10, 20, 30, 40, 0]], np.int32))
+    data = _one_shard(tmp_path, 64, 0, [10, 20, 30, 40, 0])
     with pytest.raises(SpecjaxError, match=f"{data}: 1 sequence\\(s\\); a train and a held-out part need at least 2"):
         distill.build(data, tmp_path / "out", TOKENIZER)
