@@ -301,6 +301,7 @@ def create_app(engine: Engine, name: str, per_request: dict | None = None,
                        allow_headers=["*"])] if allowed_origins else []
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=cors)
     app.state.worker = worker  # for `serve`, which cancels what still runs when its shutdown timeout runs out
+    app.state.served = served  # and prints the request defaults taken from the model folder
     return app
 
 
@@ -333,7 +334,7 @@ def serve(engine: Engine, name: str, sock: socket.socket, per_request: dict | No
         print(f"compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     prometheus_client.disable_created_metrics()  # `_created` samples would double the exposition
     app = create_app(engine, name, per_request, allowed_origins, generation_config)
-    defaults = request_defaults(engine.model.path) if generation_config == "auto" else {}
+    defaults = app.state.served.defaults
     if defaults:  # as vLLM says so: a client that leaves these out gets the model's, not vLLM's
         shown = ", ".join(f"{k} {v:g}" for k, v in defaults.items())
         print(f"request defaults from {engine.model.path / 'generation_config.json'}: {shown} "
