@@ -177,7 +177,8 @@ def _add_bench(sub) -> None:
                    help="target folder (default: $SPECJAX_MODEL, else checkpoints/tiny-code)")
     p.add_argument("--draft", type=Path, default=None, help="draft model (default: checkpoints/tiny-code-draft if present)")
     p.add_argument("--dflash", type=Path, default=None, help="DFlash drafter (default: checkpoints/tiny-code-dflash if present)")
-    p.add_argument("--quick", action="store_true", help="one prompt, one repetition, fewer k (about ten minutes on two cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="one prompt, one repetition, fewer k (about ten minutes on two cores)")
     p.add_argument("--prompts", type=_positive, help="prompts per workload")
     p.add_argument("--reps", type=_positive, help="timed repetitions per prompt (after one warm-up)")
     p.add_argument("--new-tokens", type=_positive, help="tokens generated per run")

@@ -206,9 +206,10 @@ SERVER_DEFAULTS: dict[str, type] = {"temperature": float, "top_k": int, "top_p":
 
 def request_defaults(folder: Path | None) -> dict[str, Any]:
     """The request defaults `specjax serve` (and the CLI's length) take from `folder`'s
-    generation_config.json, as vLLM's server reads it (SERVER_DEFAULTS): {field: value} for each field the file sets
-    (null is unset), max_new_tokens under vLLM's name max_tokens, top_k -1 (vLLM's "off")
-    as 0; {} without a folder or file. A bad value is a ConfigError naming file and field."""
+    generation_config.json, as vLLM's server reads it (SERVER_DEFAULTS): {field: value}
+    for each field the file sets (null is unset), max_new_tokens under vLLM's name
+    max_tokens, top_k -1 (vLLM's "off") as 0; {} without a folder or file. A bad value is a
+    ConfigError naming file and field."""
     gen = None if folder is None else Path(folder) / "generation_config.json"
     if gen is None or not gen.is_file():
         return {}
