@@ -340,9 +340,7 @@ def state_from_drafter(folder: Path, cfg: DFlashConfig, tc: DFlashTrainConfig, t
     saved = dflash.load_dflash(folder, target, jnp.float32, markov=tc.markov_rank > 0)
     # no weight depends on the block size, so a drafter may continue at another one
     if dataclasses.replace(saved.config, block_size=cfg.block_size) != cfg:
-        have, want = saved.config.to_hf(), cfg.to_hf()
-        differ = ", ".join(f"{k} {have.get(k)!r} -> {want.get(k)!r}" for k in sorted({*have, *want})
-                           if k != "block_size" and have.get(k) != want.get(k))
+        differ = lm.differences(saved.config.to_hf(), cfg.to_hf(), skip=("block_size",))
         raise lm.FlagError(f"--init {folder}: the drafter differs from the one asked for ({differ})")
     params = checkpoint.stack(saved.params, dflash.DRAFT_LAYERS)
     if tc.markov_rank:

@@ -320,9 +320,8 @@ def check_resume(run_dir: Path, step: int, saved: dict, asked: dict, model: str,
     if model not in saved:
         raise FlagError(f"{run_dir}: holds checkpoints of another kind of run (no {model} config); use a fresh "
                         f"{fresh} folder")
-    differ = sorted(k for k in {*saved[model], *asked[model]} if saved[model].get(k) != asked[model].get(k))
-    if differ:
-        fields = ", ".join(f"{k} {saved[model].get(k)!r} -> {asked[model].get(k)!r}" for k in differ)
+    fields = differences(saved[model], asked[model])
+    if fields:
         raise FlagError(f"{run_dir}: checkpoint is of another {model} config ({fields}); resume with the same "
                         f"flags or use a fresh {fresh} folder")
     before = saved.get("train", asked["train"])
@@ -331,6 +330,12 @@ def check_resume(run_dir: Path, step: int, saved: dict, asked: dict, model: str,
         flags = ", ".join(f"{flag_name(k)} {before.get(k)} -> {asked['train'][k]}" for k in changed)
         raise FlagError(f"{run_dir}: checkpoint was trained with other settings ({flags}); resume with the same "
                         f"flags or use a fresh {fresh} folder")
+
+
+def differences(before: dict, after: dict, skip: Sequence[str] = ()) -> str:
+    """The fields of two config dicts that differ, as "name old -> new, ..." ("" if none)."""
+    return ", ".join(f"{k} {before.get(k)!r} -> {after.get(k)!r}" for k in sorted({*before, *after})
+                     if k not in skip and before.get(k) != after.get(k))
 
 
 def append_metrics(directory: Path, row: dict) -> None:
