@@ -367,3 +367,23 @@ def test_a_short_shard_and_a_checkpoint_missing_its_state_are_named(tmp_path):
     shutil.rmtree(tmp_path / "run" / "orbax" / "2" / "state")
     with pytest.raises(SpecjaxError, match=r"orbax/2: the checkpoint of step 2 lacks .*remove that step's folder"):
         lm.train(CFG, tc, _tokens(1, 4000), _tokens(2, 1000), tmp_path / "run")
+
+
+def test_a_stopped_run_exits_130(tmp_path, monkeypatch):
+    """A run that Ctrl-C / SIGTERM stopped (saved, short of --steps) ends the stage with
+    exit code 130, as a shell reports Ctrl-C, so that `train.target ... && next` does not go
+    on (it exited 0); a finished run returns."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "meta.json").write_text('{"eos_id": 0, "heldout": {"bytes": 4, "tokens": 1}}')
+    np.save(shards / "train.npy", _tokens(1, 4000))
+    np.save(shards / "heldout.npy", _tokens(2, 1000))
+    argv = ["--data", str(shards), "--ckpt-dir", str(tmp_path / "run"), "--steps", "4", "--warmup", "1"]
+    for done, code in ((2, 130), (4, None)):
+        monkeypatch.setattr(lm, "train", lambda *a, **k: {"step": done})
+        if code is None:
+            lm.main({"t": CFG}, "t", argv, "python -m train.target", "test")
+        else:
+            with pytest.raises(SystemExit) as exit_:
+                lm.main({"t": CFG}, "t", argv, "python -m train.target", "test")
+            assert exit_.value.code == code
