@@ -154,7 +154,7 @@ def available() -> bool:
                 lib = ctypes.cdll.LoadLibrary(str(_build()))
                 for target, symbol in TARGETS.items():
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-                _state.update(ok=True, why="", panel=int(lib.SpecjaxPanelWidth()))
+                _state.update(ok=True, why="", panel=int(lib.SpecjaxPanelWidth()), q8=int(lib.SpecjaxQ8Group()))
             except (OSError, RuntimeError, AttributeError) as err:
                 _state.update(ok=False, why=str(err))
                 warnings.warn(f"specjax: CPU kernels unavailable, using XLA's ops: {err}",
@@ -256,6 +256,14 @@ def panel_width() -> int:
     return int(_state["panel"])
 
 
+def q8_group() -> int:
+    """Columns per output an int8 weight's panels interleave (`Packed`): 4 where the kernels
+    are built with AVX512-VNNI (one `vpdpbusd` lane multiplies four), 1 otherwise;
+    csrc/matmul.cc."""
+    _require()
+    return int(_state["q8"])
+
+
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`jax.lax.top_k(x, k)` over the last axis, the same values and indices (XLA's total
     order on floats, the lower index first among equal values): by the `top_k` kernel for
@@ -293,18 +301,30 @@ class Packed:
     hold, the weight's values are float32 (`dtype`): what `matmul` computes with, `rows`
     and `unpack` return.
 
-    An int8 weight (`quantize`) has int8 panels and `scales` [ceil(N/P), ceil(D/32), P]:
-    its value at (n, k) is q * scale of (n, k // 32) (`unpack` and `rows` round it to
-    float32); the kernel sums x * q over each block of 32 columns, then adds the sum times
-    its scale to the output."""
+    An int8 weight (`quantize`) has int8 panels, whose columns may be interleaved by
+    `group` (`q8_group`): [ceil(N/P), D / group, P * group], output n's columns k .. k +
+    group - 1 side by side; and `scales` [ceil(N/P), ceil(D/32), P]. Its value at (n, k)
+    is q * scale of (n, k // 32) (`unpack` and `rows` give it in float32). `matmul`
+    multiplies it as llama.cpp multiplies q8_0 weights: x quantized per row and block of
+    32 columns, integer dot products per block, each scaled by both scales."""
 
     panels: jax.Array
     n: int = dataclasses.field(metadata={"static": True})
     scales: jax.Array | None = None
 
     @property
+    def group(self) -> int:
+        """Columns per output side by side in the panels (1 but for some int8 weights)."""
+        return 1 if self.scales is None else self.panels.shape[-1] // self.scales.shape[-1]
+
+    @property
+    def width(self) -> int:
+        """Outputs per panel."""
+        return self.panels.shape[-1] // self.group
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return (*self.panels.shape[:-3], self.n, self.panels.shape[-2])
+        return (*self.panels.shape[:-3], self.n, self.panels.shape[-2] * self.group)
 
     @property
     def dtype(self) -> Any:
@@ -320,8 +340,9 @@ class Packed:
         return self.panels.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     def unpack(self) -> jax.Array:
-        *batch, _, d, _ = self.panels.shape  # batch: e.g. per-example gradients under vmap
-        values = self.panels.astype(self.dtype)
+        panels = _columns(self.panels, self.group)
+        *batch, _, d, _ = panels.shape  # batch: e.g. per-example gradients under vmap
+        values = panels.astype(self.dtype)
         if self.scales is not None:
             values = values * jnp.repeat(self.scales, Q8_BLOCK, axis=-2)[..., :d, :]
         return jnp.swapaxes(values, -1, -2).reshape(*batch, -1, d)[..., :self.n, :]
@@ -336,6 +357,21 @@ def _panels(rows: jax.Array) -> jax.Array:
     return jnp.swapaxes(padded.reshape(-1, width, c), 1, 2)
 
 
+def _interleave(panels: jax.Array, group: int) -> jax.Array:
+    """Panels [..., D, P] as [..., D / group, P * group]: each output's columns k .. k +
+    group - 1 side by side (the layout of `vpdpbusd`'s lanes)."""
+    *batch, d, width = panels.shape
+    return jnp.swapaxes(panels.reshape(*batch, d // group, group, width), -1, -2).reshape(
+        *batch, d // group, width * group)
+
+
+def _columns(panels: jax.Array, group: int) -> jax.Array:
+    """`_interleave` undone: [..., D / group, P * group] as [..., D, P]."""
+    *batch, dg, wide = panels.shape
+    return jnp.swapaxes(panels.reshape(*batch, dg, wide // group, group), -1, -2).reshape(
+        *batch, dg * group, wide // group)
+
+
 def pack(w: jax.Array) -> Packed:
     """The weight [N, D] as panels (see `Packed`) of its own dtype (float32, bfloat16 or float16)."""
     if jnp.dtype(w.dtype) not in PANEL_DTYPES:
@@ -346,14 +382,21 @@ def pack(w: jax.Array) -> Packed:
 def quantize(w: jax.Array) -> Packed:
     """The weight [N, D] in int8 with a float32 scale per output and block of 32 input
     columns (llama.cpp's q8_0 scheme): scale = max |w| over the block / 127 and q =
-    round(w / scale), so each value is within scale / 2 of w. A different model from w."""
+    round(w / scale), so each value is within scale / 2 of w. A different model from w.
+    The panels interleave `q8_group()` columns where D is a multiple of it."""
     n, d = w.shape
     w = jnp.asarray(w, jnp.float32)
     blocks = jnp.pad(w, ((0, 0), (0, -d % Q8_BLOCK))).reshape(n, -1, Q8_BLOCK)
     scale = jnp.max(jnp.abs(blocks), axis=-1) / 127  # [N, ceil(D/32)]
     safe = jnp.where(scale > 0, scale, 1.0)[..., None]
     q = jnp.clip(jnp.round(blocks / safe), -127, 127).astype(jnp.int8).reshape(n, -1)[:, :d]
-    return Packed(_panels(q), n, _panels(scale))
+    return _q8(q, scale)
+
+
+def _q8(q: jax.Array, scale: jax.Array) -> Packed:
+    """int8 values [N, D] and their scales [N, ceil(D/32)] as a packed weight."""
+    group = q8_group() if q.shape[1] % q8_group() == 0 else 1
+    return Packed(_interleave(_panels(q), group), q.shape[0], _panels(scale))
 
 
 def quantize_tree(params: Any) -> Any:
@@ -383,7 +426,12 @@ def rows(w: jax.Array | Packed, ids: jax.Array) -> jax.Array:
     as the panels' zero padding."""
     if isinstance(w, Packed):
         at = _gather_ids(w, ids)
-        values = w.panels[at].astype(w.dtype)
+        if w.group == 1:
+            values = w.panels[at].astype(w.dtype)
+        else:  # [P, D / G, P * G] viewed as [P, D / G, P, G]: an output's G-column groups
+            *batch, dg, _ = w.panels.shape
+            grouped = w.panels.reshape(*batch, dg, w.width, w.group)[at]
+            values = grouped.reshape(*grouped.shape[:-2], dg * w.group).astype(w.dtype)
         if w.scales is not None:
             values = values * jnp.repeat(w.scales[at], Q8_BLOCK, axis=-1)[..., :values.shape[-1]]
         return values
@@ -393,8 +441,7 @@ def rows(w: jax.Array | Packed, ids: jax.Array) -> jax.Array:
 def _gather_ids(w: Packed, ids: jax.Array) -> tuple[jax.Array, slice, jax.Array]:
     ids = jnp.asarray(ids)
     ids = jnp.clip(jnp.where(ids < 0, ids + w.n, ids), 0, w.n - 1)
-    width = w.panels.shape[-1]
-    return ids // width, slice(None), ids % width
+    return ids // w.width, slice(None), ids % w.width
 
 
 def select(w: jax.Array | Packed, ids: jax.Array) -> jax.Array | Packed:
@@ -402,7 +449,9 @@ def select(w: jax.Array | Packed, ids: jax.Array) -> jax.Array | Packed:
     is: packed in its panels' dtype, or a plain array."""
     if isinstance(w, Packed):
         at = _gather_ids(w, ids)
-        return Packed(_panels(w.panels[at]), len(ids), None if w.scales is None else _panels(w.scales[at]))
+        if w.scales is None:
+            return Packed(_panels(w.panels[at]), len(ids))
+        return _q8(_columns(w.panels, w.group)[at], w.scales[at])
     return w[ids]
 
 
@@ -410,7 +459,7 @@ def rows_from(w: jax.Array | Packed, start: int) -> jax.Array | Packed:
     """The weight [N, D] without its first `start` output rows, packed or not."""
     if not isinstance(w, Packed):
         return w[start:]
-    width = w.panels.shape[-1]
+    width = w.width
     if start % width == 0:
         return Packed(w.panels[start // width:], w.n - start,
                       None if w.scales is None else w.scales[start // width:])
@@ -418,8 +467,45 @@ def rows_from(w: jax.Array | Packed, start: int) -> jax.Array | Packed:
 
 
 def _dense(x: jax.Array, w: Packed) -> jax.Array:
-    """XLA's dot over the unpacked weight (where the kernel does not apply, and tangents)."""
+    """XLA's dot over the unpacked weight (where the kernel does not apply, and tangents);
+    for an int8 weight, the kernel's arithmetic (`q8_matmul`)."""
+    if w.scales is not None:
+        d = w.shape[-1]
+        return q8_matmul(x, _columns(w.panels, w.group)[..., :d, :], w.scales)[..., :w.n]
     return x @ w.unpack().T
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] quantized per block of 32 columns as the matmul kernel quantizes the rows
+    it multiplies by an int8 weight (llama.cpp's q8_0 activations): scale d = max |x| /
+    127 over the block, q = round(x * (1 / d)) to nearest even; a block with an infinity
+    or NaN gets d = NaN and q = 0. Returns q [..., ceil(D/32) * 32] (float32, zero-padded)
+    and d [..., ceil(D/32)]."""
+    d_in = x.shape[-1]
+    x = jnp.asarray(x, jnp.float32)
+    blocks = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -d_in % Q8_BLOCK)]).reshape(*x.shape[:-1], -1, Q8_BLOCK)
+    finite = jnp.all(jnp.isfinite(blocks), axis=-1)
+    amax = jnp.max(jnp.where(jnp.isfinite(blocks), jnp.abs(blocks), 0), axis=-1)
+    d = jnp.where(finite, amax / 127, jnp.nan)
+    inv = jnp.where(finite & (d != 0), 1 / jnp.where(d != 0, d, 1), 0)
+    q = jnp.clip(jnp.round(jnp.where(finite[..., None], blocks, 0) * inv[..., None]), -127, 127)
+    return q.reshape(*x.shape[:-1], -1), d
+
+
+def q8_matmul(x: jax.Array, panels: jax.Array, scales: jax.Array) -> jax.Array:
+    """x [..., D] times int8 panels [P, D, W] (columns not interleaved) with `scales` [P,
+    ceil(D/32), W], in XLA ops: the kernel's arithmetic (the rows quantized by
+    `quantize_rows`, exact integer block sums, each times the two scales), with the blocks
+    summed in XLA's order."""
+    q, d = quantize_rows(x)
+    n_blocks = d.shape[-1]
+    w = jnp.pad(panels, ((0, 0), (0, n_blocks * Q8_BLOCK - panels.shape[1]), (0, 0))).astype(jnp.float32)
+    w = jnp.transpose(w.reshape(w.shape[0], n_blocks, Q8_BLOCK, w.shape[-1]), (1, 2, 0, 3)).reshape(
+        n_blocks, Q8_BLOCK, -1)  # [blocks, 32, N]
+    sums = jnp.einsum("...bk,bkn->...bn", q.reshape(*q.shape[:-1], n_blocks, Q8_BLOCK), w,
+                      precision=jax.lax.Precision.HIGHEST)  # integers below 2^24: exact
+    scale = jnp.swapaxes(scales, 0, 1).reshape(n_blocks, -1)
+    return jnp.sum(sums * (scale * d[..., None]), axis=-2)
 
 
 def _kernel(x: jax.Array, n: int, *weight: jax.Array) -> jax.Array:

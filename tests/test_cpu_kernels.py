@@ -146,8 +146,9 @@ def test_matmul_rows_get_the_same_bits_alone_or_together(rng, stored):
     np.testing.assert_array_equal(many, together.reshape(60, 300))
     for m in (2, 6, 7, 8, 9, 17, 49):  # one pass (7 and 8 keep accumulators on the stack), or several
         np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul(x.reshape(60, d)[:m], w)), many[:m])
-    np.testing.assert_allclose(many, x.reshape(60, d).astype(np.float64) @ np.asarray(w.unpack(), np.float64).T,
-                               rtol=1e-4, atol=1e-4)
+    want = x.reshape(60, d).astype(np.float64) @ np.asarray(w.unpack(), np.float64).T if stored == "float32" else \
+        _q8_reference(x.reshape(60, d), w)
+    np.testing.assert_allclose(many, want, rtol=1e-4, atol=1e-4)
 
 
 def test_matmul_derivatives_are_the_dots_in_both_modes(rng):
@@ -241,19 +242,59 @@ def _fma32(a: float, b: float, c: float) -> float:
     return _round32(Fraction(a) * Fraction(b) + Fraction(c))
 
 
-@pytest.mark.parametrize("m,d,n", [(1, 64, 100), (8, 40, 33), (13, 96, 64)])
+def _q8_rows(x):
+    """Each row of x [M, D] quantized per block of 32 columns as llama.cpp's
+    quantize_row_q8_0 does, in NumPy float32: d = max |x| / 127, q = x * (1 / d) rounded to
+    nearest even (np.rint); a block with a NaN or infinity gets d = NaN, q = 0. Returns q
+    (int64, [M, blocks, 32], zero-padded) and d [M, blocks]."""
+    m, d_in = x.shape
+    blocks = np.zeros((m, -(-d_in // 32) * 32), np.float32)
+    blocks[:, :d_in] = x
+    blocks = blocks.reshape(m, -1, 32)
+    ok = np.isfinite(blocks).all(-1)
+    d = np.where(ok, np.abs(np.where(ok[..., None], blocks, 0)).max(-1) / np.float32(127), np.float32(np.nan))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(ok & (d != 0), np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.rint(np.where(ok[..., None], blocks, np.float32(0)) * inv[..., None])
+    return np.clip(q, -127, 127).astype(np.int64), d.astype(np.float32)
+
+
+def _q8_weight(w):
+    """An int8 weight's values q [N, D] and scales [N, blocks] out of its panels."""
+    cols = np.asarray(cpu_kernels._columns(w.panels, w.group))
+    ints = np.swapaxes(cols, 1, 2).reshape(-1, cols.shape[1])[:w.n].astype(np.int64)
+    scales = np.swapaxes(np.asarray(w.scales), 1, 2).reshape(-1, w.scales.shape[1])[:w.n]
+    return ints, scales
+
+
+def _q8_reference(x, w):
+    """x times an int8 weight as llama.cpp's q8_0 kernels compute it: exact integer dot
+    products per block of 32 columns, each times the weight's and the row's scales, in
+    float64."""
+    q, d = _q8_rows(np.asarray(x, np.float32))
+    ints, scales = _q8_weight(w)
+    ints = np.pad(ints, ((0, 0), (0, q.shape[1] * 32 - ints.shape[1]))).reshape(len(ints), -1, 32)
+    sums = np.einsum("mbk,nbk->mnb", q, ints)  # int64: exact
+    return (sums * scales[None].astype(np.float64) * d[:, None].astype(np.float64)).sum(-1)
+
+
+@pytest.mark.parametrize("m,d,n", [(1, 64, 100), (8, 40, 33), (13, 96, 64), (3, 36, 70)])
 def test_int8_weights_round_trip_within_half_a_scale_and_compute_their_values(rng, m, d, n):
     """quantize: each value within scale / 2 of the weight (scale = block max |w| / 127, a
-    block of 32 columns, D = 40: a partial one; a zero block stays zero); the kernel on int8
-    panels computes, for each output, the FMA chain of x against q over each block, then
-    adds that block sum times its scale to the output with one more FMA: bitwise an exact
-    re-derivation (in fractions) for a few outputs of every row, and near the float64
-    product of x and the dequantized weights everywhere."""
+    block of 32 columns, D = 40: a partial one; a zero block stays zero). matmul multiplies
+    as llama.cpp's q8_0 kernels do: each row of x quantized per block the same way (NumPy
+    re-derivation), the block's integer dot product times (weight scale x row scale, rounded
+    to float32) added to the output by one float32 FMA, block after block: bitwise an exact
+    re-derivation (in fractions) for a few outputs of every row. The interleaved panels
+    (`q8_group`, VNNI) and plain ones (the FMA path) give the same bits, and XLA's version of
+    the arithmetic (the kernel's fallback) agrees within rounding."""
     w = rng.standard_normal((n, d)).astype(np.float32) * rng.uniform(0.01, 3, (n, 1)).astype(np.float32)
     w[0, :32] = 0.0
     q = cpu_kernels.quantize(jnp.asarray(w))
     p = cpu_kernels.panel_width()
-    assert q.stored == jnp.int8 and q.scales.shape == (-(-n // p), -(-d // 32), p)
+    group = cpu_kernels.q8_group() if d % cpu_kernels.q8_group() == 0 else 1
+    assert q.stored == jnp.int8 and q.group == group and q.shape == (n, d)
+    assert q.panels.shape == (-(-n // p), d // group, p * group) and q.scales.shape == (-(-n // p), -(-d // 32), p)
     deq = np.asarray(q.unpack())
     blocks = [slice(b, min(b + 32, d)) for b in range(0, d, 32)]
     for sl in blocks:
@@ -262,25 +303,40 @@ def test_int8_weights_round_trip_within_half_a_scale_and_compute_their_values(rn
         # scales, about 3e-5 scale at most; seen: 1.0e-6), far below the full step a wrong q costs
         assert (np.abs(deq[:, sl] - w[:, sl]) <= scale * (0.5 + 2.0 ** -15) + 1e-30).all()
     assert not deq[0, :32].any()
-    x = np.asarray(rng.standard_normal((m, d)), np.float32)
+    x = np.asarray(rng.standard_normal((m, d)), np.float32) * rng.uniform(0.01, 100, (m, 1)).astype(np.float32)
+    x[0, :32] = 0.0  # a zero block of x: scale 0, adds nothing
     got = np.asarray(jax.jit(cpu_kernels.matmul)(jnp.asarray(x), q))
-    np.testing.assert_allclose(got, x.astype(np.float64) @ deq.astype(np.float64).T, rtol=1e-4, atol=1e-4)
-    ints = np.swapaxes(np.asarray(q.panels), 1, 2).reshape(-1, d)[:n].astype(np.float64)
-    scales = np.swapaxes(np.asarray(q.scales), 1, 2).reshape(-1, len(blocks))[:n].astype(np.float64)
+    np.testing.assert_allclose(got, _q8_reference(x, q), rtol=1e-5, atol=1e-4)
+    plain = cpu_kernels.Packed(cpu_kernels._columns(q.panels, q.group), n, q.scales)  # not interleaved
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul(jnp.asarray(x), plain)), got)
+    np.testing.assert_allclose(np.asarray(cpu_kernels._dense(jnp.asarray(x), q)), got, rtol=1e-5, atol=1e-4)
+    xq, xd = _q8_rows(x)
+    ints, scales = _q8_weight(q)
     for j in (0, 1, n // 2, n - 1):
         for r in range(m):
             out = 0.0
             for b, sl in enumerate(blocks):
-                part = 0.0
-                for k in range(sl.start, sl.stop):
-                    part = _fma32(float(x[r, k]), ints[j, k], part)
-                out = _fma32(part, scales[j, b], out)
+                part = int(np.dot(xq[r, b, :sl.stop - sl.start], ints[j, sl]))
+                out = _fma32(float(part), float(np.float32(scales[j, b]) * xd[r, b]), out)
             assert got[r, j] == np.float32(out), (r, j)
     ids = jnp.asarray([0, 5, n - 1])
     np.testing.assert_array_equal(np.asarray(cpu_kernels.rows(q, ids)), deq[np.asarray(ids)])
     head = cpu_kernels.select(q, ids)
-    assert head.stored == jnp.int8
+    assert head.stored == jnp.int8 and head.group == q.group
     np.testing.assert_array_equal(np.asarray(head.unpack()), deq[np.asarray(ids)])
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul(jnp.asarray(x), head)), got[:, np.asarray(ids)])
+
+
+def test_int8_matmul_of_a_row_with_an_infinity_or_nan_is_nan_for_that_row_only(rng):
+    """A block of x holding an infinity or a NaN has no scale: that row's outputs are NaN
+    (not a finite value made by dropping the entry), the other rows' unchanged."""
+    w = cpu_kernels.quantize(jnp.asarray(rng.standard_normal((40, 64)), jnp.float32))
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    clean = np.asarray(cpu_kernels.matmul(jnp.asarray(x), w))
+    x[1, 3], x[2, 40] = np.nan, -np.inf
+    got = np.asarray(cpu_kernels.matmul(jnp.asarray(x), w))
+    assert np.isnan(got[1:3]).all()
+    np.testing.assert_array_equal(got[[0, 3]], clean[[0, 3]])
 
 
 _WIDEN_ALL = r"""
