@@ -283,7 +283,7 @@ def markdown(results: dict[str, Any]) -> str:
              "both, decode tok/s after prefill (medians over runs). Each llama.cpp row runs beside specjax's row of "
              "its kind on its weights, after it in odd runs and before it in even ones. `vs llama.cpp plain` is "
              "the median of per-run speed ratios against llama.cpp's plain decoding on the same weights. "
-             "specjax's q8_0 row is its int8 weights (`load(dtype=\"int8\")`: llama.cpp's q8_0 blocks, activations kept in f32). "
+             "specjax's q8_0 row is its int8 weights (`load(dtype=\"int8\")`: llama.cpp's q8_0 blocks, and activations quantized to q8_0 blocks as llama.cpp's are, with float32 scales). "
              + _caches(info["caches"]), "",
              "| workload | weights | engine | method | tok/s | vs llama.cpp plain | tokens = specjax plain |",
              "|---|---|---|---|---|---|---|"]

@@ -61,8 +61,9 @@ class Model:
 # What a KV cache may hold: on CPU the attention kernel reads float32 and bfloat16 pools
 # (widening bfloat16 exactly in registers); XLA's path reads any of them.
 KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# What a model may compute in: float32, bfloat16 and float16, and "int8" (float32 over
-# matrices quantized at load, `checkpoint.loading`). Others would load and then fail or
+# What a model may compute in: float32, bfloat16 and float16, and "int8" (matrices
+# quantized at load, `checkpoint.loading`, times activations quantized per row; the rest in
+# float32). Others would load and then fail or
 # mislead: integer types in the first step, float8 with NaN logits, float64 narrowed to
 # float32 by JAX unless x64 is on.
 COMPUTE_DTYPES = (*KV_DTYPES, jnp.dtype(jnp.int8))
@@ -257,9 +258,10 @@ def load(path: str | Path, dtype: Any = None, mesh: jax.sharding.Mesh | None = N
     CPU with the default, matrices stored in bfloat16 or float16 stay in 16 bits in memory
     and the kernels widen them to float32 in registers (`cpu_kernels.Packed`): half the
     memory and the bytes a step reads, and bitwise the logits of ``dtype="float32"``,
-    which widens them at load. ``dtype="int8"`` computes in float32 over matrices quantized
-    at load (`cpu_kernels.quantize`: a scale per 32 columns, llama.cpp's q8_0): a quarter
-    of float32's bytes, and a different model.
+    which widens them at load. ``dtype="int8"`` quantizes the matrices at load
+    (`cpu_kernels.quantize`: a scale per 32 columns, llama.cpp's q8_0) and multiplies them
+    as llama.cpp multiplies q8_0 weights, by activations quantized the same way per row
+    (`cpu_kernels.q8_matmul`): a quarter of float32's bytes, and a different model.
 
     `kv_dtype` is what an engine keeps the model's keys and values in (default: the compute
     dtype; float32, bfloat16 or float16). ``kv_dtype="bfloat16"`` on CPU halves the cache's
