@@ -549,8 +549,10 @@ def run(cfg: BenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
             log(_cell_line(cell))
     if lc_rows:
         checks = [c["llamacpp"]["check"] for c in results["cells"] if "check" in c.get("llamacpp", {})]
-        results["llamacpp"] = {**lc_info, "check_passed": bool(checks) and all(ch["passed"] for ch in checks)}
-        log(f"llama.cpp f32 greedy check: {'passed' if results['llamacpp']['check_passed'] else 'FAILED'}")
+        passed = all(ch["passed"] for ch in checks) if checks else None  # None: no f32 file, nothing checked
+        results["llamacpp"] = {**lc_info, "check_passed": passed}
+        log("llama.cpp f32 greedy check: " + {None: "not run (no f32 file in --llamacpp-types)", True: "passed",
+                                              False: "FAILED"}[passed])
     if cfg.profile:
         _profiles(cfg, target, results, log)
     write(results, cfg.out)

@@ -245,6 +245,21 @@ def test_a_16_bit_cache_leaves_the_f32_rows_exact(source, tiny_bf16, tmp_path):
     assert res["llamacpp"]["check_passed"]
 
 
+def test_without_an_f32_file_the_greedy_check_is_not_run_rather_than_failed(source, tiny_bf16, tmp_path):
+    """With no f32 file there is nothing to compare: the log, results.json and the table
+    all say the check did not run (the log and results.json used to say it failed)."""
+    cfg = bench.BenchConfig(model=tiny_bf16[1], workloads=("edit",), samplings=("greedy",), prompts=1, reps=1,
+                            prompt_tokens=160, new_tokens=8, ngram_ks=(3,), hf=False, profile=False,
+                            llamacpp=source, gguf_types=("bf16",), llamacpp_ks=(3,), gguf_cache=tmp_path / "gguf",
+                            out=tmp_path / "out")
+    lines = []
+    res = bench.run(cfg, log=lines.append)
+    assert res["llamacpp"]["check_passed"] is None
+    assert json.loads((cfg.out / "results.json").read_text())["llamacpp"]["check_passed"] is None
+    assert "llama.cpp f32 greedy check: not run (no f32 file in --llamacpp-types)" in lines
+    assert "f32 greedy check: not run" in (cfg.out / "results.md").read_text()
+
+
 def test_greedy_tokens_on_f32_equal_specjax_and_transformers(bench_run, tiny_bf16):
     """The f32 file (the converter's, from the bench's cache) decoded greedily by llama.cpp
     gives transformers' greedy tokens and specjax's, on a prompt of the shipped tokenizer."""
