@@ -278,7 +278,7 @@ def _q8_reference(x, w):
     return (sums * scales[None].astype(np.float64) * d[:, None].astype(np.float64)).sum(-1)
 
 
-@pytest.mark.parametrize("m,d,n", [(1, 64, 100), (8, 40, 33), (13, 96, 64), (3, 36, 70)])
+@pytest.mark.parametrize("m,d,n", [(1, 64, 100), (8, 40, 33), (13, 96, 64), (3, 36, 70), (2, 30, 70)])
 def test_int8_weights_round_trip_within_half_a_scale_and_compute_their_values(rng, m, d, n):
     """quantize: each value within scale / 2 of the weight (scale = block max |w| / 127, a
     block of 32 columns, D = 40: a partial one; a zero block stays zero). matmul multiplies
@@ -286,8 +286,9 @@ def test_int8_weights_round_trip_within_half_a_scale_and_compute_their_values(rn
     re-derivation), the block's integer dot product times (weight scale x row scale, rounded
     to float32) added to the output by one float32 FMA, block after block: bitwise an exact
     re-derivation (in fractions) for a few outputs of every row. The interleaved panels
-    (`q8_group`, VNNI) and plain ones (the FMA path) give the same bits, and XLA's version of
-    the arithmetic (the kernel's fallback) agrees within rounding."""
+    (`q8_group`, VNNI) and plain ones (the FMA path, also what a D that is no multiple of
+    the group gets: D = 30) give the same bits, and XLA's version of the arithmetic (the
+    kernel's fallback) agrees within rounding."""
     w = rng.standard_normal((n, d)).astype(np.float32) * rng.uniform(0.01, 3, (n, 1)).astype(np.float32)
     w[0, :32] = 0.0
     q = cpu_kernels.quantize(jnp.asarray(w))
