@@ -194,8 +194,6 @@ struct Q8Rows {
 // One block of `n` <= 32 values of a row: its scale, and q into ints or values (32 entries,
 // zeros past n); returns the sum of q. A block with an infinity or NaN gets scale NaN, q = 0.
 int32_t QuantizeBlock(const float* x, int64_t n, float& scale, int8_t* ints, float* values) {
-  using specjax::V8;
-  using specjax::V8i;
   constexpr float kMax = std::numeric_limits<float>::max();
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (n == kBlock) {
