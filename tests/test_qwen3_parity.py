@@ -1,6 +1,7 @@
 """Full-sequence logits of specjax's Qwen3 against transformers on random tiny configs."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -169,3 +170,23 @@ def test_yarn_model_decodes_as_transformers_and_speculates_exactly(tmp_path, rng
     selfdraft = specjax.generate(model, ids, max_new_tokens=36, stop_ids=(),
                                  speculative=specjax.DraftProposer(model, k=4))
     assert selfdraft.tokens == want and selfdraft.stats.accepted == selfdraft.stats.drafted > 0
+
+
+@pytest.mark.parametrize("heads,dim", [(16, 128), (6, 64), (1, 384), (3, 30)])
+def test_rms_norm_gives_a_row_its_bits_whatever_the_rows_around_it(rng, heads, dim):
+    """A verify step's rows must be bitwise its decode steps' (the exactness contract), so the
+    norm of a row may not depend on how many rows share the call: each row of [1, T, H, E]
+    for T up to 16 against the same row normalized alone, jitted as steps are (Qwen3-0.6B's
+    per-head q_norm shape first; XLA's reduce gave rows of 2 or more other bits there), and
+    close to the float64 RMSNorm."""
+    weight = jnp.asarray(1 + 0.2 * rng.standard_normal(dim), jnp.float32)
+    norm = jax.jit(lambda x: qwen3.rms_norm(x, weight, 1e-6))
+    x = (rng.standard_normal((1, 16, heads, dim)) * 3).astype(np.float32)
+    alone = [np.asarray(norm(jnp.asarray(x[:, t:t + 1]))) for t in range(16)]
+    for t_rows in (2, 3, 8, 12, 16):
+        together = np.asarray(norm(jnp.asarray(x[:, :t_rows])))
+        for t in range(t_rows):
+            np.testing.assert_array_equal(together[:, t:t + 1], alone[t], err_msg=f"T={t_rows}, row {t}")
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * np.asarray(weight, np.float64)
+    np.testing.assert_allclose(np.concatenate(alone, axis=1), want, rtol=1e-5, atol=1e-6)

@@ -4,6 +4,7 @@ of step, at half the memory. int8 (quantized at load): a different model, whose 
 output equals its own plain output."""
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from conftest import hf_tiny
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.runs(), reason="the CPU kernels do not run here")
 
+SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-code"
 # Whole panels (every output count a multiple of 64, so of 16) and ragged ones (vocab 101, MLP 90).
 CONFIGS = {
     "whole panels": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4,
@@ -178,6 +180,22 @@ def test_int8_is_its_own_model_and_speculation_keeps_it(pair):
     for s, got in zip(settings, spec):
         plain = specjax.generate(m8, prompt, max_new_tokens=24, sampling=s, seed=2).tokens
         assert got.stats.drafted > 0 and got.tokens == plain
+
+
+def test_int8_shipped_model_speculation_equals_plain_at_width_16_and_in_a_batch():
+    """The shipped model in int8 on a code prompt: prompt lookup verifying 16 tokens a step,
+    and a batch of two rows, give plain decoding's tokens. Activations are quantized before
+    each matmul, so a last-bit difference in a verify row (XLA's norms once gave one from 12
+    rows on) becomes a different rounding and then a different token."""
+    from transformers import AutoTokenizer
+    m = specjax.load(SHIPPED, dtype="int8")
+    ids = AutoTokenizer.from_pretrained(SHIPPED)("def fibonacci(n):\n    if n < 2:\n        return n\n"
+                                                 "    return fibonacci(")["input_ids"]
+    plain = specjax.generate(m, ids, max_new_tokens=40).tokens
+    assert specjax.generate(m, ids, max_new_tokens=40, speculative=specjax.NgramProposer(k=15)).tokens == plain
+    pair = specjax.generate(m, [ids, ids[:10]], max_new_tokens=40, speculative=specjax.NgramProposer(k=5))
+    assert pair[0].tokens == plain
+    assert pair[1].tokens == specjax.generate(m, ids[:10], max_new_tokens=40).tokens
 
 
 def test_int8_over_a_mesh_is_refused(tmp_path):
