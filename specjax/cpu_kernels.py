@@ -463,7 +463,7 @@ def rows_from(w: jax.Array | Packed, start: int) -> jax.Array | Packed:
     if start % width == 0:
         return Packed(w.panels[start // width:], w.n - start,
                       None if w.scales is None else w.scales[start // width:])
-    return w.unpack()[start:]
+    return select(w, jnp.arange(start, w.n))
 
 
 def _dense(x: jax.Array, w: Packed) -> jax.Array:
@@ -478,18 +478,20 @@ def _dense(x: jax.Array, w: Packed) -> jax.Array:
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., D] quantized per block of 32 columns as the matmul kernel quantizes the rows
     it multiplies by an int8 weight (llama.cpp's q8_0 activations): scale d = max |x| /
-    127 over the block, q = round(x * (1 / d)) to nearest even; a block with an infinity
-    or NaN gets d = NaN and q = 0. Returns q [..., ceil(D/32) * 32] (float32, zero-padded)
+    127 over the block (0 where that is below the smallest normal float), q = round(x *
+    (1 / d)) to nearest even; a block with an infinity or NaN gets d = NaN and q = 0. Returns q [..., ceil(D/32) * 32] (float32, zero-padded)
     and d [..., ceil(D/32)]."""
     d_in = x.shape[-1]
     x = jnp.asarray(x, jnp.float32)
-    blocks = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -d_in % Q8_BLOCK)]).reshape(*x.shape[:-1], -1, Q8_BLOCK)
+    blocks = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -d_in % Q8_BLOCK)]).reshape(
+        *x.shape[:-1], -(-d_in // Q8_BLOCK), Q8_BLOCK)
     finite = jnp.all(jnp.isfinite(blocks), axis=-1)
     amax = jnp.max(jnp.where(jnp.isfinite(blocks), jnp.abs(blocks), 0), axis=-1)
-    d = jnp.where(finite, amax / 127, jnp.nan)
+    d = amax / 127
+    d = jnp.where(finite, jnp.where(d < jnp.finfo(jnp.float32).tiny, 0.0, d), jnp.nan)
     inv = jnp.where(finite & (d != 0), 1 / jnp.where(d != 0, d, 1), 0)
     q = jnp.clip(jnp.round(jnp.where(finite[..., None], blocks, 0) * inv[..., None]), -127, 127)
-    return q.reshape(*x.shape[:-1], -1), d
+    return q.reshape(*x.shape[:-1], blocks.shape[-2] * Q8_BLOCK), d
 
 
 def q8_matmul(x: jax.Array, panels: jax.Array, scales: jax.Array) -> jax.Array:
@@ -498,11 +500,11 @@ def q8_matmul(x: jax.Array, panels: jax.Array, scales: jax.Array) -> jax.Array:
     `quantize_rows`, exact integer block sums, each times the two scales), with the blocks
     summed in XLA's order."""
     q, d = quantize_rows(x)
-    n_blocks = d.shape[-1]
+    n_blocks = -(-x.shape[-1] // Q8_BLOCK)
     w = jnp.pad(panels, ((0, 0), (0, n_blocks * Q8_BLOCK - panels.shape[1]), (0, 0))).astype(jnp.float32)
     w = jnp.transpose(w.reshape(w.shape[0], n_blocks, Q8_BLOCK, w.shape[-1]), (1, 2, 0, 3)).reshape(
         n_blocks, Q8_BLOCK, -1)  # [blocks, 32, N]
-    sums = jnp.einsum("...bk,bkn->...bn", q.reshape(*q.shape[:-1], n_blocks, Q8_BLOCK), w,
+    sums = jnp.einsum("...bk,bkn->...bn", q.reshape(*x.shape[:-1], n_blocks, Q8_BLOCK), w,
                       precision=jax.lax.Precision.HIGHEST)  # integers below 2^24: exact
     scale = jnp.swapaxes(scales, 0, 1).reshape(n_blocks, -1)
     return jnp.sum(sums * (scale * d[..., None]), axis=-2)

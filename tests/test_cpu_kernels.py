@@ -245,14 +245,16 @@ def _fma32(a: float, b: float, c: float) -> float:
 def _q8_rows(x):
     """Each row of x [M, D] quantized per block of 32 columns as llama.cpp's
     quantize_row_q8_0 does, in NumPy float32: d = max |x| / 127, q = x * (1 / d) rounded to
-    nearest even (np.rint); a block with a NaN or infinity gets d = NaN, q = 0. Returns q
+    nearest even (np.rint); a block with a NaN or infinity gets d = NaN, q = 0, and one whose
+    d would be subnormal d = 0, q = 0. Returns q
     (int64, [M, blocks, 32], zero-padded) and d [M, blocks]."""
     m, d_in = x.shape
     blocks = np.zeros((m, -(-d_in // 32) * 32), np.float32)
     blocks[:, :d_in] = x
     blocks = blocks.reshape(m, -1, 32)
     ok = np.isfinite(blocks).all(-1)
-    d = np.where(ok, np.abs(np.where(ok[..., None], blocks, 0)).max(-1) / np.float32(127), np.float32(np.nan))
+    d = np.abs(np.where(ok[..., None], blocks, 0)).max(-1) / np.float32(127)
+    d = np.where(ok, np.where(d < np.finfo(np.float32).tiny, np.float32(0), d), np.float32(np.nan))
     with np.errstate(divide="ignore", invalid="ignore"):
         inv = np.where(ok & (d != 0), np.float32(1) / d, np.float32(0)).astype(np.float32)
     q = np.rint(np.where(ok[..., None], blocks, np.float32(0)) * inv[..., None])
@@ -329,6 +331,19 @@ def test_int8_weights_round_trip_within_half_a_scale_and_compute_their_values(rn
     assert head.stored == jnp.int8 and head.group == q.group
     np.testing.assert_array_equal(np.asarray(head.unpack()), deq[np.asarray(ids)])
     np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul(jnp.asarray(x), head)), got[:, np.asarray(ids)])
+
+
+def test_int8_weights_off_a_panel_boundary_and_empty_rows(rng):
+    """`rows_from` at an output that starts no panel keeps int8 storage and arithmetic (each
+    output's bits as in the whole weight), and no rows give an empty result, as for float
+    weights."""
+    w = cpu_kernels.quantize(jnp.asarray(rng.standard_normal((150, 64)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+    tail = cpu_kernels.rows_from(w, 10)
+    assert isinstance(tail, cpu_kernels.Packed) and tail.stored == jnp.int8 and tail.shape == (140, 64)
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.matmul(x, tail)), np.asarray(cpu_kernels.matmul(x, w))[:, 10:])
+    assert cpu_kernels.matmul(jnp.zeros((0, 64)), w).shape == (0, 150)
+    assert cpu_kernels.matmul(jnp.zeros((2, 0, 64)), w).shape == (2, 0, 150)
 
 
 def test_int8_matmul_of_a_row_with_an_infinity_or_nan_is_nan_for_that_row_only(rng):

@@ -192,7 +192,13 @@ struct Q8Rows {
 };
 
 // One block of `n` <= 32 values of a row: its scale, and q into ints or values (32 entries,
-// zeros past n); returns the sum of q. A block with an infinity or NaN gets scale NaN, q = 0.
+// zeros past n); returns the sum of q. A block with an infinity or NaN gets scale NaN, q = 0;
+// one whose scale would be subnormal (1 / scale infinite) scale 0, q = 0.
+inline float Scale(float amax) {
+  const float d = amax / 127.0f;
+  return d < std::numeric_limits<float>::min() ? 0.0f : d;
+}
+
 int32_t QuantizeBlock(const float* x, int64_t n, float& scale, int8_t* ints, float* values) {
   constexpr float kMax = std::numeric_limits<float>::max();
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -202,7 +208,7 @@ int32_t QuantizeBlock(const float* x, int64_t n, float& scale, int8_t* ints, flo
     const __mmask16 bad = _mm512_cmp_ps_mask(a0, _mm512_set1_ps(kMax), _CMP_NLE_UQ) |
                           _mm512_cmp_ps_mask(a1, _mm512_set1_ps(kMax), _CMP_NLE_UQ);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-    const float d = bad ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
+    const float d = bad ? std::numeric_limits<float>::quiet_NaN() : Scale(amax);
     const __m512 id = _mm512_set1_ps(!bad && d != 0.0f ? 1.0f / d : 0.0f);
     scale = d;
     auto q = [&](__m512 v) {
@@ -230,7 +236,7 @@ int32_t QuantizeBlock(const float* x, int64_t n, float& scale, int8_t* ints, flo
     ok = ok && mag <= kMax;  // false for NaN
     amax = std::max(amax, mag);
   }
-  const float d = ok ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+  const float d = ok ? Scale(amax) : std::numeric_limits<float>::quiet_NaN();
   const float id = ok && d != 0.0f ? 1.0f / d : 0.0f;
   scale = d;
   int32_t sum = 0;
