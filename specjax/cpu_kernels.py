@@ -456,7 +456,8 @@ def select(w: jax.Array | Packed, ids: jax.Array) -> jax.Array | Packed:
 
 
 def rows_from(w: jax.Array | Packed, start: int) -> jax.Array | Packed:
-    """The weight [N, D] without its first `start` output rows, packed or not."""
+    """The weight [N, D] without its first `start` output rows, packed or not (stored as
+    `w` is)."""
     if not isinstance(w, Packed):
         return w[start:]
     width = w.width
@@ -479,8 +480,8 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., D] quantized per block of 32 columns as the matmul kernel quantizes the rows
     it multiplies by an int8 weight (llama.cpp's q8_0 activations): scale d = max |x| /
     127 over the block (0 where that is below the smallest normal float), q = round(x *
-    (1 / d)) to nearest even; a block with an infinity or NaN gets d = NaN and q = 0. Returns q [..., ceil(D/32) * 32] (float32, zero-padded)
-    and d [..., ceil(D/32)]."""
+    (1 / d)) to nearest even; a block with an infinity or NaN gets d = NaN and q = 0.
+    Returns q [..., ceil(D/32) * 32] (float32, zero-padded) and d [..., ceil(D/32)]."""
     d_in = x.shape[-1]
     x = jnp.asarray(x, jnp.float32)
     blocks = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -d_in % Q8_BLOCK)]).reshape(
