@@ -359,10 +359,10 @@ struct FloatPass {
 
 template <int G>
 struct Q8Pass {
-  // With VNNI each row and line keeps an integer block sum beside its accumulator: fewer
-  // lines as rows grow, so that most stay in the 32 registers (4 lines up to 4 rows, 2 up
-  // to 8, 1 beyond: no clear difference from 3 / 6 or 2 / 4 on Zen 4, all within noise).
-  static constexpr int PassLines(int m) { return G == 1 ? LinesPerPass(m) : m <= 4 ? 4 : m <= 8 ? 2 : 1; }
+  // With VNNI each row and line keeps an integer block sum beside its accumulator: 4 lines
+  // up to 4 rows, 2 beyond (up to kRows), so that most stay in the 32 registers (no clear
+  // difference from other splits on Zen 4, all within noise).
+  static constexpr int PassLines(int m) { return G == 1 ? LinesPerPass(m) : m <= 4 ? 4 : 2; }
   const Q8Rows* a;
   const int8_t* w;
   const float* scales;
