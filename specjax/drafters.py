@@ -39,6 +39,7 @@ from .config import Qwen3Config
 from .dflash import DRAFT_LAYERS, MARKOV, DFlashConfig, context_rows, markov_bias
 from .kv import KVCache
 from .qwen3 import head_weight, hidden_states, project, unembed
+from .reductions import log_softmax_last, logsumexp_last
 from .sampling import RowSampling
 from .tree_accept import children_without_replacement
 
@@ -187,7 +188,7 @@ def draft_tree(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, logits: jax.Arr
     count = draft_tree_capacity(nodes) - 1
     cand_depth = np.concatenate([np.ones(width, np.int32)] + [np.full(width * width, d, np.int32)
                                                               for d in range(2, depth + 1)])
-    top, tok = cpu_kernels.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), width)
+    top, tok = cpu_kernels.top_k(log_softmax_last(logits.astype(jnp.float32)), width)
     token = jnp.zeros((rows, count), jnp.int32).at[:, :width].set(tok.astype(jnp.int32))
     score = jnp.full((rows, count), -jnp.inf, jnp.float32).at[:, :width].set(top)
     parent = jnp.full((rows, count), -1, jnp.int32)  # candidate index of the parent; -1: the root
@@ -206,7 +207,7 @@ def draft_tree(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, logits: jax.Arr
                                   jnp.broadcast_to((size + l - 1)[:, None], (rows, width)), dkv,
                                   sees=at[:, None] + lane, ancestors=jax.lax.bitcast_convert_type(own, jnp.int32),
                                   at=at, base=size)
-        lp, child = cpu_kernels.top_k(jax.nn.log_softmax(unembed(dparams, dcfg, h), axis=-1), width)  # [R, K, K]
+        lp, child = cpu_kernels.top_k(log_softmax_last(unembed(dparams, dcfg, h)), width)  # [R, K, K]
         scores = (jnp.take_along_axis(score, frontier, axis=1)[:, :, None] + lp).reshape(rows, -1)
         first = width + (l - 1) * width * width  # the block of depth l + 1, parent-major
         put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new, first, axis=1)  # noqa: E731
@@ -390,7 +391,7 @@ def block_tree(logits: jax.Array, head: Head | None, nodes: int) -> dict:
     x = logits.astype(jnp.float32)
     # log-softmax of the top tokens only (of the whole row, XLA fused it into every use: 2 ms)
     top, idx = cpu_kernels.top_k(x, TREE_BRANCH)
-    lp = top - jax.nn.logsumexp(x, axis=-1)[..., None]
+    lp = top - logsumexp_last(x)
     tok = (idx if head is None else head.ids[idx]).astype(jnp.int32)  # [R, k, 2]
     within = np.arange(k)[None, :] < depth[:, None]  # [C, k]: block rows on the path
     pick = jnp.where(jnp.asarray(second)[None], lp[:, None, :, 1], lp[:, None, :, 0])  # [R, C, k]
@@ -437,7 +438,7 @@ def markov_tree(markov: Params, logits: jax.Array, last: jax.Array, head: Head |
         biased = logits[rowwise, at].astype(jnp.float32) + markov_bias(markov, prev)
         top, idx = cpu_kernels.top_k(biased, branch)
         tok = idx if head is None else head.ids[idx]
-        return top - jax.nn.logsumexp(biased, axis=-1, keepdims=True), tok.astype(jnp.int32)
+        return top - logsumexp_last(biased), tok.astype(jnp.int32)
 
     lane = jnp.arange(branch)
 

@@ -22,26 +22,13 @@ from . import cpu_kernels
 from . import kv as kvlib
 from .checkpoint import LAYERS, Params
 from .config import Qwen3Config, RopeScaling
-
-
-def sum_last(v: jax.Array) -> jax.Array:
-    """The sum over the last axis (kept, size 1) in one fixed order: halves added pairwise
-    as elementwise adds (a zero appended to an odd length), so a row's sum has the same
-    bits whatever the other axes' sizes. XLA:CPU's reduce picks its order by shape: a
-    norm over a 16-token verify step's rows differed in the last bit from the decode
-    steps', which int8 models (whose activations are then quantized) turned into
-    different tokens."""
-    while v.shape[-1] > 1:
-        if v.shape[-1] % 2:
-            v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, 1)])
-        half = v.shape[-1] // 2
-        v = v[..., :half] + v[..., half:]
-    return v
+from .reductions import sum_last
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm computed in float32, scaled by `weight` in the input dtype (as HF does);
-    the mean of squares in a fixed order (`sum_last`)."""
+    the mean of squares in a fixed order (`sum_last`), so a verify step's rows get the
+    decode steps' bits."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(sum_last(x32 * x32) / x32.shape[-1] + eps)
     return weight * y.astype(x.dtype)

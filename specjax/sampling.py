@@ -19,6 +19,7 @@ from flax import struct
 
 from . import cpu_kernels, threefry
 from .errors import SpecjaxError, is_integer, is_real
+from .reductions import log_softmax_last, logsumexp_last, softmax_last, sum_last
 
 # Counter streams: separate so that draft sampling, acceptance and residual draws are
 # independent of each other and of the target's own samples at the same position.
@@ -125,7 +126,7 @@ def accept_probability(logp: jax.Array, logq: jax.Array, d: jax.Array) -> jax.Ar
 def residual_logprobs(logp: jax.Array, logq: jax.Array) -> jax.Array:
     """log normalize(max(p - q, 0)); falls back to p when p == q leaves no mass."""
     r = jnp.maximum(jnp.exp(logp) - jnp.exp(logq), 0.0)
-    total = jnp.sum(r)
+    total = sum_last(r)[..., 0]
     return jnp.where(total > 0, jnp.log(r) - jnp.log(jnp.where(total > 0, total, 1.0)), logp)
 
 
@@ -191,19 +192,19 @@ def _top_p_min_p_rows(x: jax.Array, top_p: jax.Array, min_p: jax.Array, tail: ja
     probabilities are exp(x - log_z): the sums the wider row's own sort would form."""
     order = jnp.argsort(x, axis=-1)
     sorted_x = jnp.take_along_axis(x, order, axis=-1)
-    cum = jnp.cumsum(jax.nn.softmax(sorted_x, axis=-1), axis=-1)
+    cum = jnp.cumsum(softmax_last(sorted_x), axis=-1)
     if tail is not None:
         cum = jnp.where(jnp.isfinite(log_z)[:, None], tail[:, None] + jnp.cumsum(jnp.exp(sorted_x - log_z[:, None]),
                                                                                  axis=-1), cum)
     drop_sorted = (cum <= 1.0 - top_p[:, None]).at[..., -1].set(False)
     drop = jnp.put_along_axis(drop_sorted, order, drop_sorted, axis=-1, inplace=False)  # unsort: a scatter, not a sort
     x = jnp.where(drop & (top_p[:, None] < 1.0), -jnp.inf, x)
-    probs = jax.nn.softmax(x, axis=-1)
+    probs = softmax_last(x)
     return jnp.where(probs < min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
 
 
 def _min_p_rows(x: jax.Array, min_p: jax.Array) -> jax.Array:
-    probs = jax.nn.softmax(x, axis=-1)
+    probs = softmax_last(x)
     return jnp.where(probs < min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), -jnp.inf, x)
 
 
@@ -218,9 +219,9 @@ def _candidates(x: jax.Array, rs: RowSampling, top_k: jax.Array, c: int):
     vals = jax.lax.optimization_barrier(vals)
     kth = jnp.take_along_axis(vals, jnp.clip(top_k - 1, 0, c - 1)[:, None], axis=-1)  # [N, 1]
     by_k = (top_k > 0) & (top_k <= c) & (jnp.sum(x >= kth, axis=-1) <= c)
-    log_z = jax.nn.logsumexp(x, axis=-1)
+    log_z = logsumexp_last(x)[:, 0]
     outside = x < vals[:, -1:]
-    tail = jnp.sum(jnp.where(outside, jnp.exp(x - log_z[:, None]), 0.0), axis=-1)
+    tail = sum_last(jnp.where(outside, jnp.exp(x - log_z[:, None]), 0.0))[:, 0]
     by_p = (top_k == 0) & (rs.top_p < 1.0) & (jnp.sum(~outside, axis=-1) <= c) & (tail <= 1.0 - rs.top_p)
     kept = _top_p_min_p_rows(jnp.where(by_k[:, None] & (vals < kth), -jnp.inf, vals), rs.top_p, rs.min_p,
                              jnp.where(by_p, tail, 0.0), jnp.where(by_p, log_z, -jnp.inf))
@@ -285,8 +286,9 @@ def support_rows(logits: jax.Array, rs: RowSampling) -> jax.Array:
 
 
 def transform_rows(logits: jax.Array, rs: RowSampling) -> jax.Array:
-    """Log-probabilities [N, V] of each row's sampling distribution (-inf outside it)."""
-    return jax.nn.log_softmax(support_rows(logits, rs), axis=-1)
+    """Log-probabilities [N, V] of each row's sampling distribution (-inf outside it);
+    a row's the same bits whatever the other rows (`reductions`)."""
+    return log_softmax_last(support_rows(logits, rs))
 
 
 _transform_rows = jax.jit(transform_rows)  # settings are traced: one compile per shape, whatever s is

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import cpu_kernels, threefry
+from .reductions import logsumexp_last
 from .sampling import ACCEPT, RESIDUAL, RowSampling, position_key, residual_logprobs, sample, target_tokens_rows
 from .sampling import transform_rows
 
@@ -74,7 +75,7 @@ def _without(logq: jax.Array, c: jax.Array) -> jax.Array:
     """logq [V] with token c's mass removed and the rest renormalized (all -inf when
     nothing is left): the law of the next sibling drawn without replacement."""
     rest = jnp.where(jnp.arange(logq.shape[-1]) == c, -jnp.inf, logq)
-    total = jax.nn.logsumexp(rest)
+    total = logsumexp_last(rest)[0]
     return jnp.where(jnp.isfinite(total), rest - jnp.where(jnp.isfinite(total), total, 0.0), -jnp.inf)
 
 

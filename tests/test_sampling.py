@@ -10,6 +10,7 @@ import torch
 from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
+from specjax import reductions
 from specjax import sampling as smp
 from specjax.sampling import Sampling, SamplingError
 from conftest import assert_follows
@@ -196,6 +197,64 @@ def test_target_tokens_of_a_row_do_not_depend_on_the_other_rows(rng, s):
     together = np.asarray(f(jnp.asarray(logits), positions))
     alone = [int(f(jnp.asarray(logits[i:i + 1]), positions[i:i + 1])[0]) for i in range(5)]
     assert list(together) == alone
+
+
+def test_distributions_give_a_row_its_bits_whatever_the_rows_around_it(rng):
+    """The sampled-draft rules compare p(d) / q(d) of each verify row (`transform_rows`) and
+    draw from normalize(max(p - q, 0)); a row's values must be the bits it gets computed
+    alone (a verify step against decode steps, a batched request against its run alone),
+    whatever the number of rows N, jitted as steps are. XLA's reduce picked its summation
+    order by N (the log-softmax of a [32, 2050] call differed from the rows alone)."""
+    v, n = 2050, 64
+    logits = (rng.standard_normal((n, v)) * rng.choice([1.0, 4.0], (n, 1))).astype(np.float32)
+    draft = (rng.standard_normal((n, v)) * 2).astype(np.float32)
+    settings = [Sampling(1.3, top_k=2000, top_p=0.99), Sampling(1.0, top_p=0.9, min_p=0.05), Sampling(0.7)]
+    rs = smp.RowSampling.of([settings[i % 3] for i in range(n)])
+
+    @jax.jit
+    def laws(x, d, rs):
+        logp, logq = smp.transform_rows(x, rs), smp.transform_rows(d, rs)
+        return logp, jax.vmap(smp.residual_logprobs)(logp, logq)
+
+    def rows(at):
+        return laws(jnp.asarray(logits[at]), jnp.asarray(draft[at]), jax.tree.map(lambda a: a[at], rs))
+
+    alone = [[np.asarray(a) for a in rows(slice(i, i + 1))] for i in range(n)]
+    for size in (2, 3, 5, 8, 16, 17, 32, 64):
+        together = [np.asarray(a) for a in rows(slice(0, size))]
+        for i in range(size):
+            for name, got, want in zip(("p", "residual"), together, alone[i]):
+                np.testing.assert_array_equal(got[i], want[0], err_msg=f"{name}, N={size}, row {i}")
+    x64 = np.asarray(logits[:3], np.float64) / np.array([[1.3], [1.0], [0.7]])
+    got = np.concatenate([alone[i][0] for i in range(3)])
+    keep = np.isfinite(got)
+    assert keep[2].all() and not keep[0].all() and not keep[1].all()  # the settings each cut their own support
+    for i in range(3):
+        z = x64[i, keep[i]] - np.log(np.exp(x64[i, keep[i]]).sum())
+        np.testing.assert_allclose(got[i, keep[i]], z, atol=2e-5, err_msg=f"row {i}")
+
+
+def test_fixed_order_sums_agree_with_float64_and_keep_jaxs_infinities(rng):
+    """`reductions`' sums and softmaxes against float64 NumPy on rows of odd and even
+    lengths, and jax.nn's answers on rows of -inf, with +inf, with NaN; integer-valued
+    sums exact."""
+    assert reductions.sum_last(jnp.zeros((2, 0))).shape == (2, 1)
+    for v in (1, 7, 64, 2050, 151936):
+        x = (rng.standard_normal((3, v)) * 3).astype(np.float32)
+        x64 = x.astype(np.float64)
+        lse = np.log(np.exp(x64 - x64.max(-1, keepdims=True)).sum(-1, keepdims=True)) + x64.max(-1, keepdims=True)
+        np.testing.assert_allclose(np.asarray(reductions.logsumexp_last(jnp.asarray(x))), lse, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(reductions.log_softmax_last(jnp.asarray(x))), x64 - lse, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(reductions.softmax_last(jnp.asarray(x))), np.exp(x64 - lse),
+                                   rtol=2e-5, atol=1e-9)
+        ints = rng.integers(-1000, 1000, (2, v))
+        np.testing.assert_array_equal(np.asarray(reductions.sum_last(jnp.asarray(ints, jnp.float32)))[:, 0],
+                                      ints.sum(-1))
+    odd = np.array([[-np.inf] * 5, [0.0, np.inf, 1.0, -np.inf, 2.0], [0.0, np.nan, 1.0, 2.0, 3.0]], np.float32)
+    for ours, theirs in ((reductions.logsumexp_last, lambda a: jax.nn.logsumexp(a, axis=-1, keepdims=True)),
+                         (reductions.log_softmax_last, lambda a: jax.nn.log_softmax(a, axis=-1)),
+                         (reductions.softmax_last, lambda a: jax.nn.softmax(a, axis=-1))):
+        np.testing.assert_array_equal(np.asarray(ours(jnp.asarray(odd))), np.asarray(theirs(jnp.asarray(odd))))
 
 
 def test_argmax_is_numpys_on_ties_nan_and_infinities(rng):
