@@ -61,7 +61,7 @@ from .dflash import MARKOV, DFlashConfig
 from .drafters import (DFlashCache, Head, block_drafts, chain, draft_sampled_tree, draft_token, draft_tree,
                        draft_tree_capacity, feed, sampled_tree, stash, tree_capacity, tree_kept)
 from .kv import KVCache, write_layer
-from .lookup import (ACCEPT_DECAY, PRIOR_ACCEPT, PSEUDO, capacity, continuation, expected_tokens, find, matches,
+from .lookup import (ACCEPT_DECAY, PRIOR_ACCEPT, PSEUDO, capacity, expected_tokens, find, matches,
                      tree as lookup_tree)
 from .qwen3 import hidden_states, unembed
 from .sampling import RowSampling
@@ -150,14 +150,21 @@ def _commit(scratch: jax.Array | None, tokens: jax.Array, positions: jax.Array, 
             return own, scratch
         own, scratch = jax.lax.fori_loop(0, width, draw, (jnp.zeros((rows, wm), jnp.int32), scratch))
     ids = jnp.broadcast_to(jnp.arange(wm), (rows, wm))
-    if parents is None:
+
+    def chain_accepted():
         ok = (tokens[:, 1:] == own[:, :-1]) & (ids[:, :-1] < n[:, None])
-        accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
-        out, path = own, ids
-    else:
+        return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+
+    if parents is None:
+        out, path, accepted = own, ids, chain_accepted()
+    else:  # the walk only in steps where some row verifies a tree (on a chain it is the chain's rule)
         parents = parents[:, :wm]
-        path, accepted = trees.walk(tokens, parents, n, own)
-        out = jnp.take_along_axis(own, path, axis=1)
+
+        def tree_walk():
+            path, accepted = trees.walk(tokens, parents, n, own)
+            return jnp.take_along_axis(own, path, axis=1), path, accepted
+
+        out, path, accepted = jax.lax.cond(jnp.any(treed), tree_walk, lambda: (own, ids, chain_accepted()))
     if scratch is not None and logq is not None and wm > 1:
         lq = _fit(logq, wm - 1)
         def chains():
@@ -358,11 +365,7 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
         kv, dkv, fkv, history, size, made, i, state, bad, stopped, log, scratch = c
         live = (made < budget) & ~stopped
         limit = jnp.where(live, jnp.minimum(row_k, jnp.maximum(budget - made - 1, 0)), 0)
-        if k and t_nodes:  # the best occurrences for the lookup tree; the chain drafts the first
-            scores, ends = jax.vmap(lambda h, s: matches(h, s, max_ngram, min_ngram))(history, size)
-            lookup_drafts, found, m = jax.vmap(lambda h, s, b, e: continuation(h, s, k, b, e))(
-                history, size, scores[:, 0], ends[:, 0])
-        elif k:
+        if k:
             lookup_drafts, found, m = jax.vmap(lambda h, s: find(h, s, k, max_ngram, min_ngram))(history, size)
         else:
             lookup_drafts, found, m = (jnp.zeros((rows, 1), jnp.int32), jnp.zeros(rows, jnp.int32),
@@ -554,9 +557,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             parents = chain_ = trees.chain_parents(rows, SPAN)
             # (proposer, its candidates slot, its ranked nodes (made on demand), trie entries, the rows whose tree
             # is built, most nodes); each tree is built only in rounds where some row has one
-            options = [("lookup", 0, lambda: jax.vmap(lambda h, s, b, e: lookup_tree(h, s, k, b, e, t_nodes))(
-                history, size, scores, ends), capacity(k), tree_rows["lookup"] & building,
-                        jnp.minimum(room[pick], limit))]
+            options = [("lookup", 0, partial(_lookup_ranked, history, size, k, max_ngram, min_ngram, t_nodes),
+                        capacity(k), tree_rows["lookup"] & building, jnp.minimum(room[pick], limit))]
             if d_nodes:  # a draft model's tree, for rows that grew one
                 options.append(("draft", 1, lambda: draft_ranked, draft_tree_capacity(d_nodes), grown,
                                 jnp.minimum(room[pick], offered["draft"])))
@@ -647,7 +649,8 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             fed = jnp.where(chained & ~grown, jnp.minimum(room[pick], k) - 1, 0)
             kept = jnp.minimum(jnp.minimum(agree, fed), jnp.maximum(count - 1, 0))
             if d_nodes:  # (a round that also ran the chain wrote its drafts over every row's tree slots)
-                in_tree, slots = tree_kept(fed_nodes, out, count)
+                held_nodes = partial(tree_kept, fed_nodes, out, count)  # (only in rounds that grew a tree)
+                in_tree, slots = jax.lax.cond(jnp.any(grown), held_nodes, partial(steps.zeros_of, held_nodes))
                 in_tree = jnp.where(grown & ~chained, in_tree, 0)
                 dkv = compact_paths(dkv.replace(lengths=size), slots, in_tree)
                 kept = jnp.where(grown, in_tree, kept)
@@ -665,8 +668,11 @@ def rounds(params: Params, cfg: Qwen3Config, kv: KVCache, history: jax.Array, si
             for name, (t_drafts, t_parents, t_n, ready) in built.items():
                 c_drafts, c_n = chains[name]
                 ready = ready & (count > 0)
-                state = _fold_shapes(state, SOURCES.index(name), _held(c_drafts, c_n, out, count), ready,
-                                     _tree_held(t_drafts, t_parents, t_n, out, count), ready)
+                fold = partial(_fold_shapes, source=SOURCES.index(name), chain_known=ready, tree_known=ready)
+                state = jax.lax.cond(  # (a round that built no tree of this proposer leaves its means as they are)
+                    jnp.any(ready), lambda st: fold(st, chain=_held(c_drafts, c_n, out, count),
+                                                    tree=_tree_held(t_drafts, t_parents, t_n, out, count)),
+                    lambda st: st, state)
         history = jax.vmap(lambda h, o, s: jax.lax.dynamic_update_slice(h, o, (s,)))(history, out, size)
         committed = jnp.arange(SPAN)[None, :] < count[:, None]
         stopped = stopped | jnp.any(committed[:, :, None] & (out[:, :, None] == stops[:, None, :]), axis=(1, 2))
@@ -731,6 +737,15 @@ def _tree_held(drafts: jax.Array, parents: jax.Array, n: jax.Array, out: jax.Arr
     depth = trees.depths(parents)
     _, held = trees.walk(tokens, parents, n, jnp.take_along_axis(out, jnp.minimum(depth, out.shape[1] - 1), axis=1))
     return jnp.minimum(held, count)
+
+
+def _lookup_ranked(history: jax.Array, size: jax.Array, k: int, max_ngram: int, min_ngram: int, nodes: int) -> dict:
+    """Each row's lookup trie (`lookup.tree`) of its best earlier occurrences (`lookup.matches`,
+    searched again only in rounds that build it; the first is the one `lookup.find` drafts)."""
+    def one(h, s):
+        best, ends = matches(h, s, max_ngram, min_ngram)
+        return lookup_tree(h, s, k, best, ends, nodes)
+    return jax.vmap(one)(history, size)
 
 
 def _arranged(ranked: Callable[[], dict], n: jax.Array, capacity: int):
