@@ -12,21 +12,25 @@ import jax
 import jax.numpy as jnp
 
 
+WAYS = 16  # chunks one pass of `sum_last` adds (each pass is one XLA loop: fewer passes, fewer thunks)
+
+
 def sum_last(v: jax.Array) -> jax.Array:
-    """The sum over the last axis (kept, size 1) in one fixed order: the longest prefix
-    whose length is a power of two is halved by elementwise adds of its halves until one
-    entry is left, the rest of the row is summed the same way, and the two are added.
-    Only slices and adds: no pads, so XLA fuses it into a few loops (a [8, 151936] sum
-    runs faster than its reduce)."""
+    """The sum over the last axis (kept, size 1) in one fixed order, by elementwise adds
+    only: a row of n >= WAYS entries is cut into WAYS equal chunks (plus the n % WAYS
+    entries left over), the chunks are added in a fixed pairwise tree, and the result and
+    the leftover are summed the same way and added; a shorter row halves pairwise. XLA
+    fuses each pass into one loop, so a [1, 8192] sum is 4 passes (halving it 13)."""
     n = v.shape[-1]
-    if n == 0:
-        return jnp.zeros(v.shape[:-1] + (1,), v.dtype)
-    head = 1 << (n.bit_length() - 1)
-    s = v[..., :head]
-    while s.shape[-1] > 1:
-        half = s.shape[-1] // 2
-        s = s[..., :half] + s[..., half:]
-    return s if head == n else s + sum_last(v[..., head:])
+    if n <= 1:
+        return v if n else jnp.zeros(v.shape[:-1] + (1,), v.dtype)
+    ways = WAYS if n >= WAYS else 2
+    m = n // ways
+    parts = [v[..., i * m:(i + 1) * m] for i in range(ways)]
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    total = sum_last(parts[0])
+    return total if ways * m == n else total + sum_last(v[..., ways * m:])
 
 
 def logsumexp_last(x: jax.Array) -> jax.Array:
