@@ -222,9 +222,10 @@ def draft_tree(dparams: Params, dcfg: Qwen3Config, dkv: KVCache, logits: jax.Arr
 
     fed = jnp.full((rows, depth - 1, width), -1, jnp.int32)  # the tokens fed at each depth's slots (-1: none)
     up = jnp.full((rows, depth, width), -1, jnp.int32)  # each fed node's parent among the depth before's slots
-    carry = (dkv, token, score, parent, main, frontier, above, fed, up)
-    dkv, token, score, parent, main, _, _, fed, up = jax.lax.fori_loop(1, 1 + jnp.minimum(levels, depth - 1), level,
-                                                                       carry)
+    if depth > 1:  # (a tree of one node is the root's best child: no draft step)
+        carry = (dkv, token, score, parent, main, frontier, above, fed, up)
+        dkv, token, score, parent, main, _, _, fed, up = jax.lax.fori_loop(
+            1, 1 + jnp.minimum(levels, depth - 1), level, carry)
     best, pick = cpu_kernels.top_k(score, min(nodes, count))  # ties: the lower index, so a parent first
     take = lambda x: jnp.take_along_axis(x, pick, axis=1)  # noqa: E731
     ranked = {"token": take(token), "parent": take(parent) + 1, "trie": (pick + 1).astype(jnp.int32),
@@ -244,6 +245,8 @@ def tree_kept(fed: tuple[jax.Array, jax.Array], out: jax.Array, count: jax.Array
     depth's own offset, so that `rounds.compact_paths` moves the kept ones into place)."""
     tokens, up = fed
     rows, levels, width = tokens.shape
+    if not levels:  # a tree of one node fed nothing
+        return jnp.zeros(rows, jnp.int32), jnp.zeros((rows, 0), jnp.int32)
     kept, lane = jnp.zeros(rows, jnp.int32), jnp.full(rows, -1, jnp.int32)
     slots, going = [], jnp.ones(rows, bool)
     for d in range(levels):

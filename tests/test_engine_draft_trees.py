@@ -236,6 +236,24 @@ def test_one_tree_budget_covers_the_draft_model(pair):
     assert engine_options(DraftProposer(draft, k=5, tree=4))[0]["speculative"].tree == 4
 
 
+@pytest.mark.parametrize("k, tree", [(3, 1), (1, 5), (1, "auto")])
+def test_trees_of_one_node_equal_the_plain_run(pair, rng, k, tree):
+    """A draft-model tree of one node (tree=1, or k=1 whatever the budget) is the root's
+    best child, grown with no draft step: greedy and sampled rows equal their plain runs."""
+    target, draft = pair
+    v = target.config.vocab_size
+    prompts = [rng.integers(0, v, n).astype(np.int32) for n in (5, 30)]
+    settings = [Sampling(), Sampling(0.8)]
+    want = _alone(target, prompts, [30, 30], settings, [1, 2], [(), ()])
+    options, per_request = engine_options(DraftProposer(draft, k=k, tree=tree))
+    engine = Engine(target, **options, max_batch=2, max_len=128)
+    reqs = [engine.submit(p, max_new_tokens=30, sampling=s, seed=sd, **per_request)
+            for p, s, sd in zip(prompts, settings, [1, 2])]
+    engine.run()
+    assert [r.tokens for r in reqs] == want
+    assert sum(r.stats.drafted for r in reqs) > 0
+
+
 def test_sampled_draft_trees_equal_their_run_alone_branch_and_keep_the_draft_cache(pair, rng):
     """Sampled draft-model drafts (sample_drafts) as trees (`drafters.draft_sampled_tree`):
     tree rows (budgets 5 and 15, one with a stop id inside what a path may accept) and a
