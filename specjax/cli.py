@@ -14,6 +14,7 @@ from .errors import SpecjaxError
 
 if TYPE_CHECKING:  # the command line imports the library's modules only as a command needs them
     from .config import Qwen3Config
+    from .sampling import Sampling
 
 WARMUP_TOKENS = 256  # a warm-up as long as the run (up to this) touches every shape the run will
 DEFAULT_NEW_TOKENS = 128  # `generate`'s length where neither --max-new-tokens nor the model folder gives one
