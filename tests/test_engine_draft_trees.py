@@ -252,6 +252,8 @@ def test_trees_of_one_node_equal_the_plain_run(pair, rng, k, tree):
     engine.run()
     assert [r.tokens for r in reqs] == want
     assert sum(r.stats.drafted for r in reqs) > 0
+    if tree != "auto":  # every round of a fixed budget verifies its one-node tree
+        assert sum(r.stats.tree_steps for r in reqs) > 0
 
 
 def test_sampled_draft_trees_equal_their_run_alone_branch_and_keep_the_draft_cache(pair, rng):
