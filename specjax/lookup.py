@@ -32,13 +32,7 @@ def find(history: jax.Array, size: jax.Array, k: int, max_ngram: int, min_ngram:
     """
     score = _scores(history, size, max_ngram, min_ngram)
     end = jnp.argmax(score)
-    return continuation(history, size, k, score[end], end)
-
-
-def continuation(history: jax.Array, size: jax.Array, k: int, best: jax.Array, end: jax.Array
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`find`'s result for the occurrence ending at `end` whose score is `best` (one of
-    `matches`; -1: none)."""
+    best = score[end]
     found = best >= 0
     drafts = jax.lax.dynamic_slice(history, (end + 1,), (k,))
     n = jnp.where(found, jnp.minimum(k, size - 1 - end), 0)
