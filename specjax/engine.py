@@ -11,6 +11,7 @@ choosing, verifying, committing) with no return to Python between rounds.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 import weakref
 from collections import deque
@@ -29,7 +30,7 @@ from .drafters import DFlashCache, draft_head, draft_tree_shape, draft_tree_slot
 from .errors import is_integer
 from .kv import KVCache
 from .lookup import MAX_NGRAM
-from .results import (PREFILL_CHUNK, GenerateResult, GenerationError, Stats, is_id_list, stop_set, token_ids,
+from .results import (PREFILL_CHUNKS, GenerateResult, GenerationError, Stats, is_id_list, stop_set, token_ids,
                       validate)
 from .model import Model
 from .pages import SCRATCH, PageAllocator, PoolError
@@ -400,25 +401,27 @@ class Engine:
         """One chunk of req's prompt; the first token once the prompt is in."""
         m = self.model
         start = req.prefilled
-        part = req.prompt[start:start + PREFILL_CHUNK]
-        self._grow(req, start + PREFILL_CHUNK)
-        buf = np.zeros(PREFILL_CHUNK, np.int32)
+        width = next((c for c in PREFILL_CHUNKS if c >= len(req.prompt) - start), PREFILL_CHUNKS[-1])
+        part = req.prompt[start:start + width]
+        self._grow(req, start + width)
+        buf = np.zeros(width, np.int32)
         buf[:len(part)] = part
         t0 = time.perf_counter()
-        table = self.table[req.slot:req.slot + 1]  # one device copy per cache: each is donated
-        kv = KVCache(self.k_pool, self.v_pool, jnp.asarray(table), jnp.array([start], jnp.int32),
-                     page_size=self.page_size)
+        # host arrays of this chunk's own (a call may read them after it returns; each call takes
+        # its copy, its cache being donated): converting them here would compile a conversion per
+        # chunk width
+        table = self.table[req.slot:req.slot + 1].copy()
+        kv = KVCache(self.k_pool, self.v_pool, table, np.array([start], np.int32), page_size=self.page_size)
         rs = RowSampling.of([req.sampling])
-        token, bad, kv, fkv = prefill_chunk(m.params, m.config, kv, jnp.asarray(buf), jnp.int32(len(part)),
+        token, bad, kv, fkv = prefill_chunk(m.params, m.config, kv, buf, jnp.int32(len(part)),
                                             jnp.uint32(req.seed), rs, sampled=not req.sampling.greedy,
                                             **self._prefill_dflash(table))
         self.k_pool, self.v_pool = kv.k, kv.v
         self._keep_dflash(fkv)
         if self.draft is not None:  # the draft model's cache gets the prompt too
             d = self.draft
-            dkv = KVCache(self.dk_pool, self.dv_pool, jnp.asarray(table), jnp.array([start], jnp.int32),
-                          page_size=self.page_size)
-            _, _, dkv, _ = prefill_chunk(d.params, d.config, dkv, jnp.asarray(buf), jnp.int32(len(part)),
+            dkv = KVCache(self.dk_pool, self.dv_pool, table, np.array([start], np.int32), page_size=self.page_size)
+            _, _, dkv, _ = prefill_chunk(d.params, d.config, dkv, buf, jnp.int32(len(part)),
                                          jnp.uint32(req.seed), rs, sampled=False)
             self.dk_pool, self.dv_pool = dkv.k, dkv.v
             req.dlen = start + len(part)
@@ -453,17 +456,17 @@ class Engine:
 
     def compile(self, samplings: Sequence[bool] = (False, True)) -> None:
         """Compile every step this engine may run (each row count, greedy and sampled
-        batches, the prefill chunk), so no request later waits on a compilation."""
+        batches, each prefill chunk width), so no request later waits on a compilation."""
         for sampled in samplings:
             for rows in self.row_counts():
                 self._call(rows, [], sampled)
             rs = RowSampling.of([Sampling(1.0) if sampled else Sampling()])
             table = np.full((1, self.pages_per_row), SCRATCH, np.int32)
-            for model, pools in [(self.model, (self.k_pool, self.v_pool))] + (
-                    [] if self.draft is None else [(self.draft, (self.dk_pool, self.dv_pool))]):
+            for width, target in itertools.product(PREFILL_CHUNKS, (True, False) if self.draft else (True,)):
+                model, pools = (self.model, (self.k_pool, self.v_pool)) if target else (
+                    self.draft, (self.dk_pool, self.dv_pool))  # (the pools the last call returned: it donated them)
                 kv = KVCache(*pools, jnp.asarray(table), jnp.zeros(1, jnp.int32), page_size=self.page_size)
-                target = model is self.model
-                _, _, kv, fkv = prefill_chunk(model.params, model.config, kv, jnp.zeros(PREFILL_CHUNK, jnp.int32),
+                _, _, kv, fkv = prefill_chunk(model.params, model.config, kv, jnp.zeros(width, jnp.int32),
                                               jnp.int32(1), jnp.uint32(0), rs, sampled=sampled and target,
                                               **(self._prefill_dflash(table) if target else {}))
                 if target:

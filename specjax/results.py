@@ -12,7 +12,12 @@ from .config import Qwen3Config
 from .model import Model
 from .errors import SpecjaxError, is_integer
 
-PREFILL_CHUNK = 128
+# Widths a prompt's chunk is padded to (one compiled prefill each): the narrowest that holds
+# what is left of the prompt, the widest while more is left. A short prompt pays for its own
+# tokens, not the widest chunk's (tiny-code, a 5-token prompt: 6.3 ms at width 16 against
+# 25 ms at 128 on 2 cores).
+PREFILL_CHUNKS = (16, 32, 64, 128)
+PREFILL_CHUNK = PREFILL_CHUNKS[-1]
 MIN_CAPACITY = 256
 CAPACITY_STEP = 256
 

@@ -450,13 +450,16 @@ def test_stop_ids_past_those_the_device_holds_end_output_and_stats_alike(cyclic_
 
 def test_compile_leaves_nothing_to_compile(cyclic_target, rng):
     """After Engine.compile, requests finishing at different times (every row count) and the
-    prefill of new ones compile nothing."""
+    prefill of new ones, in chunks of every width, compile nothing."""
     model = cyclic_target
-    engine = Engine(model, 3, max_batch=2, max_len=128)
+    engine = Engine(model, 3, max_batch=2, max_len=256)
     engine.compile((False,))
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
-    reqs = [engine.submit(p, max_new_tokens=n, stop_ids=()) for p, n in zip(_prompts(rng, model.config.vocab_size), (40, 5))]
-    assert [len(r.result().tokens) for r in reqs] == [40, 5]
+    prompts = _prompts(rng, model.config.vocab_size)[:2] + [rng.integers(0, model.config.vocab_size, n)
+                                                             for n in (3, 30, 60, 150)]
+    news = (40, 5, 7, 3, 9, 2)
+    reqs = [engine.submit(p, max_new_tokens=n, stop_ids=()) for p, n in zip(prompts, news)]
+    assert [len(r.result().tokens) for r in reqs] == list(news)
     assert compiles == []
