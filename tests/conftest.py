@@ -75,9 +75,19 @@ def xla_flags(*extra: str) -> str:
 
 _moved: list[str] = []
 
+# The files that take longest, longest first, start first: xdist's loadfile scheduler hands
+# out files in collection order (addopts has --no-loadscope-reorder: its default order, most
+# tests first, left the one-test default-codegen file, the longest, to run alone at the end).
+LONGEST_FIRST = ("test_default_codegen.py", "test_engine.py", "test_engine_draft_trees.py", "test_notebooks.py",
+                 "test_speculative.py", "test_engine_dflash.py", "test_dflash_train.py", "test_markov_head.py",
+                 "test_sampling.py", "test_weight_storage.py", "test_readme.py", "test_bench.py")
+
 
 def pytest_collection_modifyitems(config, items):
-    """Under the fast codegen, leave ONLY_UNDER_DEFAULTS to test_default_codegen.py."""
+    """Start the longest files first; under the fast codegen, leave ONLY_UNDER_DEFAULTS to
+    test_default_codegen.py."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: the rest as collected)
     if os.environ["SPECJAX_TEST_CODEGEN"] != "fast":
         return
 
