@@ -401,7 +401,7 @@ class Engine:
         """One chunk of req's prompt; the first token once the prompt is in."""
         m = self.model
         start = req.prefilled
-        width = next((c for c in PREFILL_CHUNKS if c >= len(req.prompt) - start), PREFILL_CHUNKS[-1])
+        width = next((c for c in PREFILL_CHUNKS if c >= len(req.prompt)), PREFILL_CHUNKS[-1])
         part = req.prompt[start:start + width]
         self._grow(req, start + width)
         buf = np.zeros(width, np.int32)
@@ -465,8 +465,8 @@ class Engine:
             for width, target in itertools.product(PREFILL_CHUNKS, (True, False) if self.draft else (True,)):
                 model, pools = (self.model, (self.k_pool, self.v_pool)) if target else (
                     self.draft, (self.dk_pool, self.dv_pool))  # (the pools the last call returned: it donated them)
-                kv = KVCache(*pools, jnp.asarray(table), jnp.zeros(1, jnp.int32), page_size=self.page_size)
-                _, _, kv, fkv = prefill_chunk(model.params, model.config, kv, jnp.zeros(width, jnp.int32),
+                kv = KVCache(*pools, table, np.zeros(1, np.int32), page_size=self.page_size)  # (as `_prefill` calls)
+                _, _, kv, fkv = prefill_chunk(model.params, model.config, kv, np.zeros(width, np.int32),
                                               jnp.int32(1), jnp.uint32(0), rs, sampled=sampled and target,
                                               **(self._prefill_dflash(table) if target else {}))
                 if target:

@@ -12,10 +12,10 @@ from .config import Qwen3Config
 from .model import Model
 from .errors import SpecjaxError, is_integer
 
-# Widths a prompt's chunk is padded to (one compiled prefill each): the narrowest that holds
-# what is left of the prompt, the widest while more is left. A short prompt pays for its own
-# tokens, not the widest chunk's (tiny-code, a 5-token prompt: 6.3 ms at width 16 against
-# 25 ms at 128 on 2 cores).
+# Widths a prompt's chunks are padded to (one compiled prefill each): a prompt that fits in
+# one goes in the narrowest that holds it, a longer one in chunks of the widest, so a prompt
+# compiles one prefill and a short one pays for its own tokens, not the widest chunk's
+# (tiny-code, a 5-token prompt: 6.3 ms at width 16 against 25 ms at 128 on 2 cores).
 PREFILL_CHUNKS = (16, 32, 64, 128)
 PREFILL_CHUNK = PREFILL_CHUNKS[-1]
 MIN_CAPACITY = 256
