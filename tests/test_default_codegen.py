@@ -19,6 +19,10 @@ from conftest import FAST_COMPILE, ONLY_UNDER_DEFAULTS, UNDER_DEFAULTS
 TESTS = Path(__file__).parent
 
 
+# The child alone took 395 s on a 2.6 GHz Xeon (2026-12-07) and runs beside the other worker's
+# files: past pyproject's 600 s the timeout plugin ends the worker and with it the run, so the
+# child's own limit, below this test's, is what ends a hung child.
+@pytest.mark.timeout(1500)
 def test_exactness_holds_under_xla_default_codegen():
     if os.environ["SPECJAX_TEST_CODEGEN"] == "default":
         pytest.skip("this whole run compiles with XLA's defaults")
@@ -26,7 +30,7 @@ def test_exactness_holds_under_xla_default_codegen():
            "XLA_FLAGS": os.environ["XLA_FLAGS"].replace(FAST_COMPILE, "").strip()}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider",
                            *[str(TESTS / t) for t in UNDER_DEFAULTS + ONLY_UNDER_DEFAULTS]],
-                          cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=900)
+                          cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=1400)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert re.fullmatch(r"\d+ passed in .*", summary), summary  # nothing skipped or deselected
