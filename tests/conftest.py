@@ -23,13 +23,15 @@ os.environ.setdefault("SPECJAX_CACHE_DIR", "off")
 # and XLA:CPU's elemental emitters at LLVM -O0 compile an engine's steps in a third of the
 # time of its defaults (5.5 s against 15.9 s of backend compile for a sampled and a greedy
 # lookup engine at batch 1 and 2); the code runs about half as fast. Users get XLA's
-# defaults: test_default_codegen.py reruns the exactness checks (UNDER_DEFAULTS) under them
-# in a child pytest, and runs there alone the checks whose bits this codegen changes
-# (ONLY_UNDER_DEFAULTS: it flushes subnormal bfloat16 values to zero as it widens them).
+# defaults: test_default_codegen.py runs the checks in UNDER_DEFAULTS under them, in a child
+# pytest, and the fast run leaves them to it. They are the exactness checks that span every
+# compiled path (lookup chains and trees, a draft model, DFlash, greedy and sampled rows at
+# batch 1 and 4), transformers parity of the shipped checkpoints, and the checks whose bits
+# this codegen changes (it flushes subnormal bfloat16 values to zero as it widens them).
 # SPECJAX_TEST_CODEGEN=default runs the whole suite under XLA's defaults; so does a jaxlib
 # that does not know these flags (probed once: XLA aborts on a flag it does not know).
 FAST_COMPILE = "--xla_cpu_use_fusion_emitters=false --xla_backend_optimization_level=0"
-UNDER_DEFAULTS = [
+UNDER_DEFAULTS = [  # a test's name, or one of its parameter sets
     "test_engine_trees.py::test_tree_rows_equal_their_plain_run_alone",
     "test_speculative.py::test_sampled_deterministic_proposers_equal_plain_sampled",
     "test_engine_dflash.py::test_rows_with_dflash_drafts_equal_their_plain_run_alone[dflash]",
@@ -37,8 +39,6 @@ UNDER_DEFAULTS = [
     "test_qwen3_parity.py::test_rms_norm_gives_a_row_its_bits_whatever_the_rows_around_it",
     "test_sampling.py::test_distributions_give_a_row_its_bits_whatever_the_rows_around_it",
     "test_weight_storage.py::test_int8_shipped_model_speculation_equals_plain_at_width_16_and_in_a_batch",
-]
-ONLY_UNDER_DEFAULTS = [
     "test_cpu_kernels.py::test_16_bit_panels_give_the_bits_of_the_same_weights_in_float32",
     "test_dflash_train.py::test_a_markov_head_trains_beside_a_drafter_left_as_it_would_be",
 ]
@@ -84,7 +84,7 @@ LONGEST_FIRST = ("test_default_codegen.py", "test_engine.py", "test_engine_draft
 
 
 def pytest_collection_modifyitems(config, items):
-    """Start the longest files first; under the fast codegen, leave ONLY_UNDER_DEFAULTS to
+    """Start the longest files first; under the fast codegen, leave UNDER_DEFAULTS to
     test_default_codegen.py."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: the rest as collected)
@@ -92,7 +92,8 @@ def pytest_collection_modifyitems(config, items):
         return
 
     def theirs(item):
-        return item.nodeid.split("/")[-1].split("[")[0] in ONLY_UNDER_DEFAULTS
+        name = item.nodeid.split("/")[-1]
+        return name in UNDER_DEFAULTS or name.split("[")[0] in UNDER_DEFAULTS
 
     moved = [item for item in items if theirs(item)]
     if moved:

@@ -1,8 +1,9 @@
 """The suite compiles with fast-compiling XLA flags (conftest.FAST_COMPILE); users run
 XLA's defaults. The exactness checks that span every compiled path (lookup chains and
 trees, a draft model, DFlash, greedy and sampled rows at batch 1 and 4), transformers
-parity of the shipped checkpoints, and the checks whose bits the fast codegen changes run
-here, in a child pytest under the defaults."""
+parity of the shipped checkpoints, and the checks whose bits the fast codegen changes
+(conftest.UNDER_DEFAULTS) run here, in a child pytest under the defaults, and nowhere
+else in a fast run."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST_COMPILE, ONLY_UNDER_DEFAULTS, UNDER_DEFAULTS
+from conftest import FAST_COMPILE, UNDER_DEFAULTS
 
 TESTS = Path(__file__).parent
 
@@ -29,7 +30,7 @@ def test_exactness_holds_under_xla_default_codegen():
     env = {**os.environ, "SPECJAX_TEST_CODEGEN": "default",
            "XLA_FLAGS": os.environ["XLA_FLAGS"].replace(FAST_COMPILE, "").strip()}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider",
-                           *[str(TESTS / t) for t in UNDER_DEFAULTS + ONLY_UNDER_DEFAULTS]],
+                           *[str(TESTS / t) for t in UNDER_DEFAULTS]],
                           cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=1400)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
