@@ -105,6 +105,31 @@ def test_row_sampling_follows_the_distribution(rng, s):
     np.testing.assert_array_equal(other[1::2], tokens[1::2])
 
 
+def test_a_requests_first_token_is_the_prefills_draw(tiny, rng):
+    """The token after the prompt, against transformers' logits there: a greedy request's is
+    their argmax, a sampled request's follows their transformed law (chi-square over seeds),
+    for a prompt in one narrow chunk and one in a chunk of 64."""
+    import torch
+
+    ref, _, model = tiny
+    engine = Engine(model, None, max_batch=8, max_len=128)
+    s, draws = Sampling(0.8, top_k=30), 600
+    for n in (5, 40):
+        while True:  # a prompt whose argmax no rounding can move
+            prompt = rng.integers(0, model.config.vocab_size, n)
+            with torch.no_grad():
+                logits = ref(torch.tensor(prompt[None])).logits[0, -1].double().numpy()
+            top = np.sort(logits)[::-1]
+            if top[0] - top[1] > 1e-3:
+                break
+        assert engine.submit(prompt, max_new_tokens=1, stop_ids=()).result().tokens == [int(np.argmax(logits))]
+        first = int(rng.integers(1 << 30))
+        reqs = [engine.submit(prompt, max_new_tokens=1, sampling=s, seed=first + i, stop_ids=()) for i in range(draws)]
+        engine.run()
+        counts = np.bincount([r.tokens[0] for r in reqs], minlength=model.config.vocab_size)
+        assert_follows(counts, _enumerated(logits, s), f"prompt of {n}")
+
+
 def test_requests_join_while_others_run_and_stream(cyclic_target, rng):
     model = cyclic_target
     prompts = _prompts(rng, model.config.vocab_size)[:4]
