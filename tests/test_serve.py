@@ -728,7 +728,7 @@ def test_sigterm_lets_a_running_stream_finish(model, tokenizer):
     assert "Application shutdown complete" in "".join(lines)
 
 
-def test_when_the_shutdown_timeout_runs_out_streams_end_with_an_error_event(model):
+def test_when_the_shutdown_timeout_runs_out_streams_end_with_an_error_event(model, tokenizer):
     """`serve`'s server on SIGTERM: when its shutdown timeout (0 s here) runs out, a stream
     still running gets an error event (503, the server shutting down) and [DONE], a whole
     body, rather than a connection cut mid-stream by uvicorn's own timeout; then the server
@@ -738,6 +738,9 @@ def test_when_the_shutdown_timeout_runs_out_streams_end_with_an_error_event(mode
     from specjax.server import CLOSE_GRACE, _Server
 
     engine = Engine(model, None, max_batch=2, max_len=MAX_LEN)
+    # the stream's steps compiled first: the cancel waits for the device call under way, and a
+    # compile on a loaded machine outlasted CLOSE_GRACE (uvicorn then cut the stream)
+    engine.submit(ids_of(tokenizer, PROMPTS[0]), max_new_tokens=8, stop_ids=()).result()
     app = create_app(engine, NAME)
     sock = bind("127.0.0.1", 0)
     server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=CLOSE_GRACE), 0.0,
