@@ -28,7 +28,7 @@ from .costs import TREE_BUILD_COST, StepCosts, block_cost, build_cost, chain_cos
 from .dflash import MARKOV, Drafter, fit_problems
 from .drafters import DFlashCache, draft_head, draft_tree_shape, draft_tree_slots
 from .errors import is_integer
-from .kv import KVCache
+from .kv import KVCache, zeros
 from .lookup import MAX_NGRAM
 from .results import (PREFILL_CHUNKS, GenerateResult, GenerationError, Stats, is_id_list, stop_set, token_ids,
                       validate)
@@ -260,19 +260,19 @@ class Engine:
         num_pages = max_batch * self.pages_per_row + 1 if num_pages is None else num_pages
         self.pages = PageAllocator(num_pages, page_size)
         shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, num_pages, page_size, cfg.head_dim)
-        self.k_pool = jnp.zeros(shape, model.cache_dtype)
-        self.v_pool = jnp.zeros(shape, model.cache_dtype)
+        self.k_pool = zeros(shape, model.cache_dtype)
+        self.v_pool = zeros(shape, model.cache_dtype)
         self.dk_pool = self.dv_pool = None
         if draft is not None:
             d = draft.config
             dshape = (d.num_hidden_layers, d.num_key_value_heads, num_pages, page_size, d.head_dim)
-            self.dk_pool, self.dv_pool = jnp.zeros(dshape, draft.cache_dtype), jnp.zeros(dshape, draft.cache_dtype)
+            self.dk_pool, self.dv_pool = zeros(dshape, draft.cache_dtype), zeros(dshape, draft.cache_dtype)
         self.fk_pool = self.fv_pool = self.ft_pool = None
         if dflash is not None:
             f = dflash.config
             fshape = (f.num_hidden_layers, f.num_key_value_heads, num_pages, page_size, f.head_dim)
-            self.fk_pool, self.fv_pool = jnp.zeros(fshape, dflash.dtype), jnp.zeros(fshape, dflash.dtype)
-            self.ft_pool = jnp.zeros((1, len(f.target_layer_ids), num_pages, page_size, cfg.hidden_size), model.dtype)
+            self.fk_pool, self.fv_pool = zeros(fshape, dflash.dtype), zeros(fshape, dflash.dtype)
+            self.ft_pool = zeros((1, len(f.target_layer_ids), num_pages, page_size, cfg.hidden_size), model.dtype)
         self.table = np.full((max_batch, self.pages_per_row), SCRATCH, np.int32)
         self.history = np.zeros((max_batch, self.pages_per_row * page_size + SPAN), np.int32)
         self.slots: list[Request | None] = [None] * max_batch
@@ -413,16 +413,16 @@ class Engine:
         table = self.table[req.slot:req.slot + 1].copy()
         kv = KVCache(self.k_pool, self.v_pool, table, np.array([start], np.int32), page_size=self.page_size)
         rs = RowSampling.of([req.sampling])
-        token, bad, kv, fkv = prefill_chunk(m.params, m.config, kv, buf, jnp.int32(len(part)),
-                                            jnp.uint32(req.seed), rs, sampled=not req.sampling.greedy,
+        token, bad, kv, fkv = prefill_chunk(m.params, m.config, kv, buf, np.int32(len(part)),
+                                            np.uint32(req.seed), rs, sampled=not req.sampling.greedy,
                                             **self._prefill_dflash(table))
         self.k_pool, self.v_pool = kv.k, kv.v
         self._keep_dflash(fkv)
         if self.draft is not None:  # the draft model's cache gets the prompt too
             d = self.draft
             dkv = KVCache(self.dk_pool, self.dv_pool, table, np.array([start], np.int32), page_size=self.page_size)
-            _, _, dkv, _ = prefill_chunk(d.params, d.config, dkv, buf, jnp.int32(len(part)),
-                                         jnp.uint32(req.seed), rs, sampled=False)
+            _, _, dkv, _ = prefill_chunk(d.params, d.config, dkv, buf, np.int32(len(part)),
+                                         np.uint32(req.seed), rs, sampled=False)
             self.dk_pool, self.dv_pool = dkv.k, dkv.v
             req.dlen = start + len(part)
         req.prefilled += len(part)
@@ -435,9 +435,9 @@ class Engine:
 
     def _dflash_state(self, table: np.ndarray, written: np.ndarray) -> DFlashCache:
         """The DFlash drafter's state over rows with page table `table` and `written` context rows."""
-        kv = KVCache(self.fk_pool, self.fv_pool, jnp.asarray(table), jnp.zeros(table.shape[0], jnp.int32),
+        kv = KVCache(self.fk_pool, self.fv_pool, table, np.zeros(table.shape[0], np.int32),
                      page_size=self.page_size)
-        return DFlashCache(kv, self.ft_pool, jnp.asarray(written, jnp.int32))
+        return DFlashCache(kv, self.ft_pool, np.asarray(written, np.int32))
 
     def _prefill_dflash(self, table: np.ndarray) -> dict[str, Any]:
         """prefill_chunk's keywords that stash the target's taps for the DFlash drafter."""
@@ -467,7 +467,7 @@ class Engine:
                     self.draft, (self.dk_pool, self.dv_pool))  # (the pools the last call returned: it donated them)
                 kv = KVCache(*pools, table, np.zeros(1, np.int32), page_size=self.page_size)  # (as `_prefill` calls)
                 _, _, kv, fkv = prefill_chunk(model.params, model.config, kv, np.zeros(width, np.int32),
-                                              jnp.int32(1), jnp.uint32(0), rs, sampled=sampled and target,
+                                              np.int32(1), np.uint32(0), rs, sampled=sampled and target,
                                               **(self._prefill_dflash(table) if target else {}))
                 if target:
                     self.k_pool, self.v_pool = kv.k, kv.v

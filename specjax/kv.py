@@ -21,6 +21,14 @@ from . import cpu_kernels
 from .config import Qwen3Config
 
 
+@partial(jax.jit, static_argnums=(0, 1))
+def zeros(shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+    """jnp.zeros(shape, dtype) in one compiled call (a pool, made once per engine). Outside a
+    trace jnp.zeros dispatches its primitives one by one: ~1.6 ms for a test model's pool
+    against 0.06 ms, paid by every `generate` call, which builds an engine."""
+    return jnp.zeros(shape, dtype)
+
+
 @struct.dataclass
 class KVCache:
     k: jax.Array           # [L, K, P, Z, E] key pool
@@ -42,8 +50,8 @@ def init(cfg: Qwen3Config, batch: int, capacity: int, dtype=jnp.float32, page_si
     pages = capacity // page_size
     shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, batch * pages, page_size, cfg.head_dim)
     return KVCache(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
+        k=zeros(shape, dtype),
+        v=zeros(shape, dtype),
         page_table=jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages),
         lengths=jnp.zeros((batch,), jnp.int32),
         page_size=page_size,
