@@ -20,17 +20,26 @@ def sum_last(v: jax.Array) -> jax.Array:
     only: a row of n >= WAYS entries is cut into WAYS equal chunks (plus the n % WAYS
     entries left over), the chunks are added in a fixed pairwise tree, and the result and
     the leftover are summed the same way and added; a shorter row halves pairwise. XLA
-    fuses each pass into one loop, so a [1, 8192] sum is 4 passes (halving it 13)."""
+    fuses each pass into one loop, so a [1, 8192] sum is 4 passes (halving it 13).
+
+    The chunks are an axis of their own and each level of the tree adds its even chunks to
+    its odd ones (two strided slices), in lax primitives: a handful of operations per sum
+    however many chunks, which keeps tracing the model's norms cheap."""
     n = v.shape[-1]
     if n <= 1:
         return v if n else jnp.zeros(v.shape[:-1] + (1,), v.dtype)
     ways = WAYS if n >= WAYS else 2
     m = n // ways
-    parts = [v[..., i * m:(i + 1) * m] for i in range(ways)]
-    while len(parts) > 1:
-        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
-    total = sum_last(parts[0])
-    return total if ways * m == n else total + sum_last(v[..., ways * m:])
+    lead, last = v.shape[:-1], v.ndim - 1
+    chunks = jax.lax.reshape(jax.lax.slice_in_dim(v, 0, ways * m, axis=last), lead + (ways, m))
+    while chunks.shape[last] > 1:  # chunk 2j plus chunk 2j + 1, level by level
+        c = chunks.shape[last]
+        chunks = jax.lax.add(jax.lax.slice_in_dim(chunks, 0, c - 1, 2, axis=last),
+                             jax.lax.slice_in_dim(chunks, 1, c, 2, axis=last))
+    total = sum_last(jax.lax.reshape(chunks, lead + (m,)))
+    if ways * m == n:
+        return total
+    return jax.lax.add(total, sum_last(jax.lax.slice_in_dim(v, ways * m, n, axis=last)))
 
 
 def logsumexp_last(x: jax.Array) -> jax.Array:

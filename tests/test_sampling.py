@@ -257,6 +257,38 @@ def test_fixed_order_sums_agree_with_float64_and_keep_jaxs_infinities(rng):
         np.testing.assert_array_equal(np.asarray(ours(jnp.asarray(odd))), np.asarray(theirs(jnp.asarray(odd))))
 
 
+def _documented_order_sum(x: np.ndarray) -> np.ndarray:
+    """The sum `reductions.sum_last`'s docstring describes, in float32 NumPy: 16 equal
+    chunks (2 below 16 entries) added as a pairwise tree (chunk 2j plus chunk 2j + 1, level
+    by level), the result summed the same way, plus the leftover summed the same way."""
+    n = x.shape[-1]
+    if n <= 1:
+        return x if n else np.zeros(x.shape[:-1] + (1,), x.dtype)
+    ways = 16 if n >= 16 else 2
+    m = n // ways
+    parts = [x[..., i * m:(i + 1) * m] for i in range(ways)]
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    total = _documented_order_sum(parts[0])
+    return total if ways * m == n else total + _documented_order_sum(x[..., ways * m:])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 15, 16, 17, 33, 64, 100, 128, 384, 2050, 8193])
+def test_sum_last_adds_in_its_documented_order(n, rng):
+    """Bitwise the float32 NumPy sum in the order the docstring gives (leading axes of
+    several shapes; magnitudes spread over seven decades, so the order shows in the bits:
+    checked by a plain np.sum differing on some row)."""
+    for lead in ((), (5,), (2, 3)):
+        x = (rng.standard_normal(lead + (n,)) * 10.0 ** rng.integers(-3, 4, lead + (n,))).astype(np.float32)
+        want = _documented_order_sum(x)
+        got = np.asarray(jax.jit(reductions.sum_last)(jnp.asarray(x)))
+        assert got.dtype == np.float32 and got.shape == lead + (1,)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    if n >= 64:  # the order matters on these rows, so the comparison above could fail
+        x = (rng.standard_normal((64, n)) * 10.0 ** rng.integers(-3, 4, (64, n))).astype(np.float32)
+        assert (_documented_order_sum(x)[:, 0] != np.cumsum(x, axis=-1, dtype=np.float32)[:, -1]).any()
+
+
 def test_argmax_is_numpys_on_ties_nan_and_infinities(rng):
     """smp.argmax against np.argmax (lowest index of the largest value; the first NaN where a
     row has one): ties, a row of -inf, +inf, signed zeros, NaN; rows of 1 and of 8192."""
