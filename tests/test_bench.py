@@ -75,10 +75,11 @@ def test_every_field_present(results):
 
 
 def test_stats_agree_with_generate(results):
-    """Tokens per step and histograms in the results are what generate reports for the same run."""
+    """Tokens per step and histograms in the results are what generate reports for the same run
+    (the target loaded as the bench loads it: its KV cache in bfloat16)."""
     cfg, res = results
-    target = specjax.load(cfg.model)
-    draft = specjax.load(cfg.draft)
+    target = specjax.load(cfg.model, kv_dtype=cfg.kv_dtype)
+    draft = specjax.load(cfg.draft, target.dtype)
     prompt = workload(target.tokenizer, "edit", 1, cfg.prompt_tokens)[0]
     cell = next(c for c in res["cells"] if c["sampling"] == "greedy")
     for key, prop in [("ngram:3", specjax.NgramProposer(k=3)), ("draft:2", specjax.DraftProposer(draft, k=2))]:
