@@ -24,7 +24,7 @@ def small_draft(tmp_path_factory):
     return specjax.load(folder)
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 7, 15])
+@pytest.mark.parametrize("k", [1, 2, 7, 15])  # (k=2 drafts fewer than its compiled width)
 def test_ngram_greedy_equals_plain(cyclic_target, tiny, rng, k):
     for model in (cyclic_target, tiny[2]):
         ids = repeating_prompt(rng, model.config.vocab_size)
