@@ -87,6 +87,12 @@ def _enumerated(logits: np.ndarray, s: Sampling) -> np.ndarray:
     return p
 
 
+@jax.jit
+def _draw_rows(logits, positions, rs):
+    """Every row's sampled token at its position, seed 0 (settings traced: one program for all)."""
+    return smp.target_tokens_rows(logits, positions, np.zeros(logits.shape[0], np.uint32), rs, True)
+
+
 @pytest.mark.parametrize("s", SETTINGS[1:], ids=str)
 def test_row_sampling_follows_the_distribution(rng, s):
     """Chi-square of many draws (one key per position) against the enumerated distribution,
@@ -97,12 +103,11 @@ def test_row_sampling_follows_the_distribution(rng, s):
     logits[7] = logits[8] = logits.max() + 0.5  # a tie at the top
     n = 6000
     rows = smp.RowSampling.of([s] * n)
-    draw = jax.jit(lambda lg, pos, rs: smp.target_tokens_rows(lg, pos, np.zeros(n, np.uint32), rs, True))
-    tokens = np.asarray(draw(np.repeat(logits[None], n, 0), np.arange(n), rows))
+    tokens = np.asarray(_draw_rows(np.repeat(logits[None], n, 0), np.arange(n), rows))
     want = _enumerated(logits.astype(np.float64), s)
     assert_follows(np.bincount(tokens, minlength=v), want)
     mixed = smp.RowSampling.of([s if i % 2 else SETTINGS[(i // 2) % len(SETTINGS)] for i in range(n)])
-    other = np.asarray(draw(np.repeat(logits[None], n, 0), np.arange(n), mixed))
+    other = np.asarray(_draw_rows(np.repeat(logits[None], n, 0), np.arange(n), mixed))
     np.testing.assert_array_equal(other[1::2], tokens[1::2])
 
 
