@@ -291,14 +291,14 @@ def test_bad_requests_name_the_parameter(cyclic_target):
 
 
 @pytest.fixture(scope="module")
-def with_draft(tmp_path_factory):
-    """A target that falls into cycles and a 1-layer draft model with its vocabulary."""
+def with_draft(cyclic_target, tmp_path_factory):
+    """A target that falls into cycles (the one the lookup tests use, so its plain runs share
+    their compiled steps) and a 1-layer draft model with its vocabulary."""
     from conftest import hf_tiny
 
-    root = tmp_path_factory.mktemp("engine-draft")
-    hf_tiny(root / "t", seed=3, init=0.1)
-    hf_tiny(root / "d", seed=5, init=0.1, num_hidden_layers=1)
-    return specjax.load(root / "t"), specjax.load(root / "d")
+    folder = tmp_path_factory.mktemp("engine-draft")
+    hf_tiny(folder, seed=5, init=0.1, num_hidden_layers=1)
+    return cyclic_target, specjax.load(folder)
 
 
 def test_draft_model_rows_equal_alone(with_draft, rng):
