@@ -23,20 +23,23 @@ _PARITY = np.uint32(0x1BD11BDA)  # Threefry's key schedule constant
 
 
 def _rotate_left(x: jax.Array, r: int) -> jax.Array:
-    return (x << np.uint32(r)) | (x >> np.uint32(32 - r))
+    return jax.lax.bitwise_or(jax.lax.shift_left(x, np.uint32(r)), jax.lax.shift_right_logical(x, np.uint32(32 - r)))
 
 
 def hash2x32(k1: jax.Array, k2: jax.Array, x1: jax.Array, x2: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Threefry-2x32 with 20 rounds of the counter words (x1, x2) under the key (k1, k2),
-    all uint32 and broadcast together."""
-    ks = (k1, k2, k1 ^ k2 ^ _PARITY)
-    x1, x2 = x1 + ks[0], x2 + ks[1]
+    all uint32 and broadcast together. In lax primitives: a hash is a hundred operations,
+    and jnp's operators would trace each several times slower."""
+    k1, k2, x1, x2 = jnp.broadcast_arrays(*(jnp.asarray(a, jnp.uint32) for a in (k1, k2, x1, x2)))
+    add, xor = jax.lax.add, jax.lax.bitwise_xor
+    ks = (k1, k2, xor(xor(k1, k2), _PARITY))
+    x1, x2 = add(x1, ks[0]), add(x2, ks[1])
     for i in range(5):
         for r in _ROTATIONS[i % 2]:
-            x1 = x1 + x2
-            x2 = _rotate_left(x2, r) ^ x1
-        x1 = x1 + ks[(i + 1) % 3]
-        x2 = x2 + ks[(i + 2) % 3] + np.uint32(i + 1)
+            x1 = add(x1, x2)
+            x2 = xor(_rotate_left(x2, r), x1)
+        x1 = add(x1, ks[(i + 1) % 3])
+        x2 = add(add(x2, ks[(i + 2) % 3]), np.uint32(i + 1))
     return x1, x2
 
 
