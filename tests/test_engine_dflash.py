@@ -198,7 +198,8 @@ def test_rows_with_dflash_drafts_equal_their_plain_run_alone(deep, shallow, rng,
     prompts = _prompts(rng, target.config.vocab_size)
     seeds = [int(s) for s in rng.integers(0, 1 << 30, len(prompts))]
     news = [40, 25, 33, 48]
-    alone = [specjax.generate(target, p, max_new_tokens=n, sampling=s, seed=sd, stop_ids=()).tokens
+    solo = Engine(target, None, max_batch=1, max_len=256)  # (one pool for every prompt: one set of programs)
+    alone = [solo.submit(p, max_new_tokens=n, sampling=s, seed=sd, stop_ids=()).result().tokens
              for p, n, s, sd in zip(prompts, news, SETTINGS, seeds)]
     if kind == "adaptive":
         # (a max_len of its own: step costs measured by other tests' engines do not apply)
