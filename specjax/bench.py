@@ -605,10 +605,13 @@ def _summarise(kind: str, sname: str, runs: dict[str, list[dict]]) -> dict[str, 
         if not name.startswith(("hf-", "llamacpp-", "plain")):  # speculative rows of ours
             stats = [r["stats"] for r in rs]
             row.update(
-                tokens_per_step=statistics.median(s["tokens_per_step"] for s in stats),
+                # pooled over the runs (prompts of other lengths and acceptance: a median of
+                # per-run values jumps between the prompts' clusters)
+                tokens_per_step=_share(sum(s["new_tokens"] - 1 for s in stats), sum(s["steps"] for s in stats)),
                 accept_hist=_sum_lists([s["accept_hist"] for s in stats]),
                 acceptance_by_position=_ratio_lists([s["accepted_at"] for s in stats], [s["reached"] for s in stats]),
-                verify_tokens_per_token=statistics.median(s["verify_tokens_per_token"] for s in stats),
+                verify_tokens_per_token=_share(sum(s["verify_tokens"] for s in stats),
+                                               sum(max(s["new_tokens"] - 1, 1) for s in stats)),
                 tree_share=_share(sum(s["tree_steps"] for s in stats), sum(s["steps"] for s in stats)),
                 branched_share=_share(sum(s["branched"] for s in stats), sum(s["tree_steps"] for s in stats)),
                 time_split={part: statistics.median(s[part] / s["decode_s"] for s in stats if s["decode_s"])
@@ -708,7 +711,8 @@ def markdown(results: dict[str, Any]) -> str:
     m = results["machine"]
     lines.append("")
     lines.append(f"Speedups are medians of per-round ratios against our plain decoding; HF columns are "
-                 f"transformers on the same checkpoint and prompts, also relative to our plain decoding. "
+                 f"transformers on the same checkpoint and prompts, also relative to our plain decoding; "
+                 f"tokens per step are the runs' tokens over their steps. "
                  f"{results['date']}, {m['cpus']} CPUs, {m['backend']}, jax {m['jax']}"
                  + (f"; KV cache {kv}." if (kv := results["config"].get("kv_dtype")) else "."))
     for key, name in (("profile", "this model (as loaded)"), *PROFILE_NAMES.items()):

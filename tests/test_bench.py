@@ -106,6 +106,23 @@ def test_tree_shares_pool_the_runs():
     assert row["tree_share"] == 10 / 40 and row["branched_share"] == 5 / 10
 
 
+def test_tokens_per_step_pools_the_runs():
+    """tokens_per_step is the runs' committed tokens after the first over their steps, and
+    verify_tokens_per_token their verified tokens over those tokens (pooled: two prompts at
+    4 and at 2 tokens a step do not give the median of a few runs of each)."""
+    from specjax.results import Stats
+
+    def run(new_tokens, steps, verify_tokens):
+        s = Stats(new_tokens=new_tokens, steps=steps, verify_tokens=verify_tokens, verify_s=0.1)
+        return {"tokens": [1], "tok_s": 1.0, "decode_s": 0.1, "stats": s.summary()}
+
+    plain = {"tokens": [1], "tok_s": 1.0, "decode_s": 0.1, "stats": Stats(new_tokens=2, steps=1).summary()}
+    cell = bench._summarise("edit", "greedy", {"plain:0": [plain] * 3,
+                                               "ngram:4": [run(41, 10, 50), run(41, 20, 60), run(81, 40, 120)]})
+    row = cell["rows"]["ngram:4"]
+    assert row["tokens_per_step"] == 160 / 70 and row["verify_tokens_per_token"] == 230 / 160
+
+
 def test_trees_are_timed_against_their_chain_run_by_run():
     """A tree or auto row's over_chain pairs each of its runs with the chain row's run of the
     same repetition (the chain's decode time over its own); other rows have none."""
